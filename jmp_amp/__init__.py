@@ -1,0 +1,32 @@
+"""jmp_amp: automatic mixed precision for JAX, Flax and optax.
+
+A drop-in for jmp (``import jmp_amp as jmp``) plus dynamic loss scaling as an
+optax transformation, op-level autocast and a matmul-dtype audit. Flax
+integration lives in `jmp_amp.flax`, which this module does not import.
+"""
+
+from jmp_amp._src.dtypes import half_dtype
+from jmp_amp._src.ops import conv_general_dilated
+from jmp_amp._src.ops import dot_general
+from jmp_amp._src.policy import cast_to_full
+from jmp_amp._src.policy import cast_to_half
+from jmp_amp._src.policy import get_policy
+from jmp_amp._src.policy import Policy
+from jmp_amp._src.tree import all_finite
+from jmp_amp._src.tree import cast_floating
+from jmp_amp._src.tree import select_tree
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "Policy",
+    "all_finite",
+    "cast_floating",
+    "cast_to_full",
+    "cast_to_half",
+    "conv_general_dilated",
+    "dot_general",
+    "get_policy",
+    "half_dtype",
+    "select_tree",
+)

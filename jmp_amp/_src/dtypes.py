@@ -1,0 +1,77 @@
+"""Dtype names, parsing and validation shared by policies and loss scales."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The first name of each entry is the one `str(Policy)` prints.
+_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(np.float16): ("f16", "float16"),
+    np.dtype(np.float32): ("f32", "float32", "full", "single"),
+    np.dtype(np.float64): ("f64", "float64", "double"),
+}
+_NAME_TO_DTYPE = {n: dt for dt, names in _DTYPE_NAMES.items() for n in names}
+ACCEPTED_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
+
+
+def half_dtype() -> np.dtype:
+  """Returns the half-precision dtype for the default backend.
+
+  bfloat16 on TPU, float16 elsewhere (as in jmp).
+  """
+  on_tpu = jax.local_devices()[0].platform == "tpu"
+  return np.dtype(jnp.bfloat16) if on_tpu else np.dtype(np.float16)
+
+
+def parse_dtype(name: str) -> np.dtype:
+  """Parses a dtype name such as "bf16", "float32", "full" or "half"."""
+  if not isinstance(name, str):
+    raise TypeError(f"dtype name must be a str, got {type(name).__name__}: {name!r}")
+  key = name.strip().lower()
+  if key == "half":
+    return half_dtype()
+  try:
+    return _NAME_TO_DTYPE[key]
+  except KeyError:
+    raise ValueError(
+        f"Unknown dtype {name!r}; accepted names: {', '.join(ACCEPTED_DTYPE_NAMES)}"
+    ) from None
+
+
+def dtype_name(dtype: Any) -> str:
+  """The short name of a supported floating dtype ("f32", "bf16", ...)."""
+  return _DTYPE_NAMES[np.dtype(dtype)][0]
+
+
+def canonical_float_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
+  """Returns `dtype` as an `np.dtype`, raising unless it is a supported float.
+
+  Args:
+    dtype: a dtype, scalar type (``jnp.bfloat16``, ``np.float32``) or name.
+    what: how to name the value in error messages (e.g. "compute_dtype").
+  """
+  if isinstance(dtype, str):
+    try:
+      return parse_dtype(dtype)
+    except ValueError as e:
+      raise ValueError(f"{what}: {e}") from None
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(
+        f"{what} must be a floating-point dtype ({', '.join(n[1] for n in _DTYPE_NAMES.values())}), "
+        f"got {dtype!r}") from None
+  if dt not in _DTYPE_NAMES:
+    raise TypeError(
+        f"{what} must be a floating-point dtype "
+        f"({', '.join(n[1] for n in _DTYPE_NAMES.values())}), got {dt.name}")
+  return dt
+
+
+def is_float_dtype(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)

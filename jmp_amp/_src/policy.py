@@ -1,0 +1,171 @@
+"""Precision policies: which dtype parameters, computation and outputs use."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar, Union
+
+import numpy as np
+
+from jmp_amp._src import dtypes
+from jmp_amp._src.tree import cast_floating
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Declares the dtypes of parameters, computation and outputs.
+
+  A frozen, hashable dataclass, so it can be a static argument of `jax.jit`.
+  Dtypes are normalised to `np.dtype` and must be floating point.
+
+  Example:
+    >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> str(policy)
+    'p=f32,c=bf16,o=f32'
+    >>> get_policy(str(policy)) == policy
+    True
+
+  Attributes:
+    param_dtype: storage dtype of parameters (master weights).
+    compute_dtype: dtype in which inputs and parameters enter computation.
+    output_dtype: dtype of the values returned.
+  """
+
+  param_dtype: Any
+  compute_dtype: Any
+  output_dtype: Any
+
+  def __post_init__(self):
+    # Policy is not a pytree node, so normalising here is safe.
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+      value = dtypes.canonical_float_dtype(getattr(self, field), field)
+      object.__setattr__(self, field, value)
+
+  def cast_to_param(self, x: T) -> T:
+    """Casts the floating-point leaves of `x` to the param dtype."""
+    return cast_floating(x, self.param_dtype)
+
+  def cast_to_compute(self, x: T) -> T:
+    """Casts the floating-point leaves of `x` to the compute dtype."""
+    return cast_floating(x, self.compute_dtype)
+
+  def cast_to_output(self, x: T) -> T:
+    """Casts the floating-point leaves of `x` to the output dtype."""
+    return cast_floating(x, self.output_dtype)
+
+  def with_param_dtype(self, param_dtype: Any) -> Policy:
+    return dataclasses.replace(self, param_dtype=param_dtype)
+
+  def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+    return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+  def with_output_dtype(self, output_dtype: Any) -> Policy:
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+  @property
+  def is_mixed(self) -> bool:
+    """Whether computation runs in a narrower dtype than the parameters."""
+    return self.compute_dtype.itemsize < self.param_dtype.itemsize
+
+  def __str__(self) -> str:
+    return "p={},c={},o={}".format(
+        dtypes.dtype_name(self.param_dtype),
+        dtypes.dtype_name(self.compute_dtype),
+        dtypes.dtype_name(self.output_dtype))
+
+
+# Keras mixed-precision policy names. As in Keras, layer outputs are in the
+# compute dtype; pin a final layer to "float32" to get float32 outputs.
+_KERAS_POLICIES = {
+    "mixed_float16": ("f32", "f16", "f16"),
+    "mixed_bfloat16": ("f32", "bf16", "bf16"),
+}
+_KEYS = {"p": "p", "params": "p", "param": "p",
+         "c": "c", "compute": "c",
+         "o": "o", "output": "o"}
+
+_GRAMMAR_HELP = (
+    "Accepted: a dtype name for all three ({names}); a Keras policy name "
+    "({keras}); or comma-separated key=dtype parts with keys "
+    "params/p, compute/c, output/o, e.g. 'params=float32,compute=bfloat16,"
+    "output=float32' or 'p=f32,c=bf16,o=f32'.")
+
+
+def _grammar_help() -> str:
+  return _GRAMMAR_HELP.format(names=", ".join(dtypes.ACCEPTED_DTYPE_NAMES),
+                              keras=", ".join(_KERAS_POLICIES))
+
+
+def _parse_part_dtype(value: str, policy_name: str) -> np.dtype:
+  try:
+    return dtypes.parse_dtype(value)
+  except ValueError:
+    raise ValueError(
+        f"Unknown dtype {value.strip()!r} in policy {policy_name!r}. "
+        + _grammar_help()) from None
+
+
+def get_policy(policy_name: Union[str, Policy]) -> Policy:
+  """Parses a policy string (jmp's grammar or a Keras policy name).
+
+  Unspecified parts default as in jmp: params to float32, compute to params,
+  output to compute ("c=bf16" is "p=f32,c=bf16,o=bf16").
+
+  Args:
+    policy_name: e.g. "p=f32,c=bf16,o=f32", "params=float32,compute=float16",
+      "bf16", "half", "full", "mixed_bfloat16". A `Policy` is returned as is.
+
+  Returns:
+    The `Policy`.
+
+  Raises:
+    ValueError: naming the part that is not understood.
+  """
+  if isinstance(policy_name, Policy):
+    return policy_name
+  if not isinstance(policy_name, str):
+    raise TypeError(
+        f"policy must be a Policy or a str, got {type(policy_name).__name__}: "
+        f"{policy_name!r}")
+  name = policy_name.strip()
+  if name.lower() in _KERAS_POLICIES:
+    return Policy(*(dtypes.parse_dtype(n) for n in _KERAS_POLICIES[name.lower()]))
+  if "=" not in name:
+    try:
+      dt = dtypes.parse_dtype(name)
+    except ValueError:
+      raise ValueError(
+          f"Unknown dtype {name!r} in policy {policy_name!r}. "
+          + _grammar_help()) from None
+    return Policy(dt, dt, dt)
+
+  parsed: dict[str, np.dtype] = {}
+  for part in name.split(","):
+    if part.count("=") != 1:
+      raise ValueError(f"Malformed part {part.strip()!r} in policy "
+                       f"{policy_name!r}: expected key=dtype. " + _grammar_help())
+    key, value = (s.strip() for s in part.split("="))
+    if key.lower() not in _KEYS:
+      raise ValueError(
+          f"Unknown key {key!r} in policy {policy_name!r}; keys are "
+          "'params' (p), 'compute' (c) and 'output' (o). " + _grammar_help())
+    short = _KEYS[key.lower()]
+    if short in parsed:
+      raise ValueError(f"Key {key!r} given twice in policy {policy_name!r}.")
+    parsed[short] = _parse_part_dtype(value, policy_name)
+  param = parsed.get("p", np.dtype(np.float32))
+  compute = parsed.get("c", param)
+  output = parsed.get("o", compute)
+  return Policy(param, compute, output)
+
+
+def cast_to_full(tree: T) -> T:
+  """Casts floating leaves of `tree` to float32."""
+  return cast_floating(tree, np.float32)
+
+
+def cast_to_half(tree: T) -> T:
+  """Casts floating leaves of `tree` to `half_dtype()`."""
+  return cast_floating(tree, dtypes.half_dtype())

@@ -1,0 +1,52 @@
+"""Pytree utilities: casting floating leaves, finiteness checks, selection."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+
+def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
+  if isinstance(x, (np.ndarray, jax.Array)):
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+      return x.astype(dtype)
+  elif isinstance(x, jax.ShapeDtypeStruct):
+    # Abstract trees (for eval_shape or checkpoint restore targets) cast too.
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+      return x.update(dtype=dtype)
+  return x
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+  """Casts the floating-point array leaves of `tree` to `dtype`.
+
+  Integer, boolean and PRNG-key arrays, and leaves that are not arrays
+  (Python scalars, strings, objects), are returned untouched.
+  """
+  return jax.tree_util.tree_map(functools.partial(_cast_leaf, dtype=dtype), tree)
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Returns a scalar bool array: whether every floating leaf is finite.
+
+  The per-leaf checks are combined into one reduction that XLA fuses, so no
+  value leaves the device. Non-floating leaves are ignored.
+  """
+  leaves = [x for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not leaves:
+    return jnp.array(True)
+  return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+
+
+def select_tree(pred: jax.Array, a: T, b: T) -> T:
+  """Selects `a` where the scalar bool `pred` is true, else `b`, leaf by leaf."""
+  assert jnp.ndim(pred) == 0 and jnp.result_type(pred) == jnp.bool_, (
+      "expected boolean scalar")
+  return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)
