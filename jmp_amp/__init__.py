@@ -6,12 +6,21 @@ integration lives in `jmp_amp.flax`, which this module does not import.
 """
 
 from jmp_amp._src.dtypes import half_dtype
+from jmp_amp._src.loss_scale import DynamicLossScale
+from jmp_amp._src.loss_scale import LossScale
+from jmp_amp._src.loss_scale import NoOpLossScale
+from jmp_amp._src.loss_scale import StaticLossScale
 from jmp_amp._src.ops import conv_general_dilated
 from jmp_amp._src.ops import dot_general
 from jmp_amp._src.policy import cast_to_full
 from jmp_amp._src.policy import cast_to_half
 from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
+from jmp_amp._src.scaling import get_loss_scale
+from jmp_amp._src.scaling import get_scaling_state
+from jmp_amp._src.scaling import loss_scaling
+from jmp_amp._src.scaling import LossScalingState
+from jmp_amp._src.scaling import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import cast_floating
 from jmp_amp._src.tree import select_tree
@@ -19,14 +28,23 @@ from jmp_amp._src.tree import select_tree
 __version__ = "0.1.0"
 
 __all__ = (
+    "DynamicLossScale",
+    "LossScale",
+    "LossScalingState",
+    "NoOpLossScale",
     "Policy",
+    "StaticLossScale",
     "all_finite",
     "cast_floating",
     "cast_to_full",
     "cast_to_half",
     "conv_general_dilated",
     "dot_general",
+    "get_loss_scale",
     "get_policy",
+    "get_scaling_state",
     "half_dtype",
+    "loss_scaling",
+    "scaling_metrics",
     "select_tree",
 )
