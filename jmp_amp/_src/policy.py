@@ -153,7 +153,8 @@ def get_policy(policy_name: Union[str, Policy]) -> Policy:
           "'params' (p), 'compute' (c) and 'output' (o). " + _grammar_help())
     short = _KEYS[key.lower()]
     if short in parsed:
-      raise ValueError(f"Key {key!r} given twice in policy {policy_name!r}.")
+      raise ValueError(f"Key {key!r} given twice in policy {policy_name!r}. "
+                       + _grammar_help())
     parsed[short] = _parse_part_dtype(value, policy_name)
   param = parsed.get("p", np.dtype(np.float32))
   compute = parsed.get("c", param)

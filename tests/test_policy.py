@@ -1,0 +1,160 @@
+"""Tests for Policy, get_policy and floating-leaf casting."""
+
+import dataclasses
+
+import chex
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_amp
+
+FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+# Without jax_enable_x64, jax arrays cannot hold float64.
+ARRAY_FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+
+def test_policy_is_frozen_hashable_and_static_for_jit():
+  policy = jmp_amp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    policy.compute_dtype = jnp.float16  # type: ignore[misc]
+  assert hash(policy) == hash(jmp_amp.get_policy("p=f32,c=bf16,o=f32"))
+
+  @jax.jit
+  def f(x, policy):
+    return policy.cast_to_compute(x)
+
+  f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
+  assert f(jnp.ones(2), policy).dtype == jnp.bfloat16
+  assert f(jnp.ones(2), policy.with_compute_dtype(jnp.float16)).dtype == jnp.float16
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("float32", ("f32", "f32", "f32")),
+    ("f32", ("f32", "f32", "f32")),
+    ("full", ("f32", "f32", "f32")),
+    ("bf16", ("bf16", "bf16", "bf16")),
+    ("bfloat16", ("bf16", "bf16", "bf16")),
+    ("half", ("f16", "f16", "f16")),  # CPU: half is float16, as in jmp.
+    ("mixed_float16", ("f32", "f16", "f16")),
+    ("mixed_bfloat16", ("f32", "bf16", "bf16")),
+    ("params=float32,compute=bfloat16,output=float32", ("f32", "bf16", "f32")),
+    ("p=f32,c=bf16,o=f32", ("f32", "bf16", "f32")),
+    ("c=f16", ("f32", "f16", "f16")),
+    ("p=f16,c=bf16", ("f16", "bf16", "bf16")),
+    (" P = f32 , C = Half ", ("f32", "f16", "f16")),
+])
+def test_get_policy_grammar(name, expected):
+  policy = jmp_amp.get_policy(name)
+  assert str(policy) == "p={},c={},o={}".format(*expected)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("compute_float16", "Unknown dtype 'compute_float16'"),
+    ("p=f32,c=int8", "Unknown dtype 'int8'"),
+    ("p=f32,x=bf16", "Unknown key 'x'"),
+    ("p=f32,c", "Malformed part 'c'"),
+    ("p=f32,p=bf16", "given twice"),
+    ("mixed_float8", "Unknown dtype 'mixed_float8'"),
+    ("", "Unknown dtype ''"),
+])
+def test_get_policy_rejects_bad_strings_naming_the_part(name, message):
+  with pytest.raises(ValueError, match=message) as info:
+    jmp_amp.get_policy(name)
+  # The error lists what is accepted.
+  assert "mixed_bfloat16" in str(info.value)
+  assert "bfloat16" in str(info.value)
+
+
+def test_get_policy_rejects_non_strings():
+  with pytest.raises(TypeError, match="Policy or a str"):
+    jmp_amp.get_policy(32)
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, np.bool_, "int8", object])
+def test_policy_rejects_non_float_dtypes(bad):
+  with pytest.raises((TypeError, ValueError), match="compute_dtype"):
+    jmp_amp.Policy(jnp.float32, bad, jnp.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(FLOATS), st.sampled_from(FLOATS), st.sampled_from(FLOATS))
+def test_str_round_trips_through_get_policy(p, c, o):
+  policy = jmp_amp.Policy(p, c, o)
+  assert jmp_amp.get_policy(str(policy)) == policy
+
+
+def test_with_methods_replace_one_field():
+  policy = jmp_amp.get_policy("float32")
+  assert policy.with_param_dtype(jnp.bfloat16).param_dtype == jnp.bfloat16
+  assert policy.with_compute_dtype("f16").compute_dtype == jnp.float16
+  changed = policy.with_output_dtype(jnp.bfloat16)
+  assert (changed.param_dtype, changed.compute_dtype, changed.output_dtype) == (
+      jnp.float32, jnp.float32, jnp.bfloat16)
+
+
+_LEAVES = st.one_of(
+    st.sampled_from(["float32", "float16", "bfloat16"]).map(
+        lambda d: ("float", d)),
+    st.sampled_from(["int32", "int8", "uint8", "bool"]).map(lambda d: ("int", d)),
+    st.just(("key", None)),
+    st.sampled_from([1.5, 3, "name", None]).map(lambda v: ("py", v)),
+)
+
+
+def _make_leaf(kind, arg):
+  if kind in ("float", "int"):
+    return jnp.zeros((2,), dtype=arg)
+  if kind == "key":
+    return jax.random.key(0)
+  return arg
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(_LEAVES, min_size=1, max_size=6),
+       st.sampled_from(ARRAY_FLOATS), st.booleans())
+def test_casting_touches_only_floating_array_leaves(specs, dtype, use_numpy):
+  tree = {f"leaf{i}": _make_leaf(*spec) for i, spec in enumerate(specs)}
+  if use_numpy:
+    tree = {k: np.asarray(v) if isinstance(v, jax.Array) and
+            not jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+            for k, v in tree.items()}
+  policy = jmp_amp.Policy(jnp.float32, dtype, jnp.float32)
+  cast = policy.cast_to_compute(tree)
+  for (kind, _), (key, before) in zip(specs, tree.items()):
+    after = cast[key]
+    if kind == "float":
+      assert after.dtype == dtype
+      np.testing.assert_array_equal(np.asarray(after, np.float32),
+                                    np.asarray(before, np.float32))
+    else:
+      assert after is before
+
+
+def test_casting_abstract_trees_and_structure_preserved():
+  abstract = {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32),
+              "step": jax.ShapeDtypeStruct((), jnp.int32)}
+  cast = jmp_amp.get_policy("bf16").cast_to_param(abstract)
+  assert cast["w"].dtype == jnp.bfloat16 and cast["w"].shape == (3, 2)
+  assert cast["step"] is abstract["step"]
+
+
+def test_cast_to_full_and_half():
+  tree = {"a": jnp.ones(2, jnp.bfloat16), "i": jnp.ones(2, jnp.int8)}
+  chex.assert_trees_all_equal_dtypes(
+      jmp_amp.cast_to_full(tree), {"a": jnp.ones(2), "i": tree["i"]})
+  assert jmp_amp.cast_to_half(tree)["a"].dtype == jmp_amp.half_dtype()
+
+
+def test_import_jmp_amp_is_light():
+  import subprocess
+  import sys
+  code = ("import sys, jmp_amp; bad = [m for m in ('flax', 'models', 'torch', "
+          "'orbax') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, check=False)
+  assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,199 @@
+"""Tests for the loss_scaling optax transformation."""
+
+import chex
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_amp
+from conftest import tree_bytes_equal
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "chain(clip, adamw)": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=1e-2)),
+    "inject_hyperparams(sgd+momentum)": lambda: optax.inject_hyperparams(
+        optax.sgd)(learning_rate=0.1, momentum=0.9),
+}
+
+
+def _grads_like(params, value):
+  return jax.tree_util.tree_map(lambda p: jnp.full_like(p, value), params)
+
+
+def _warm_state(opt, params, steps=3):
+  """A state that has taken some finite steps (non-trivial moments)."""
+  state = opt.init(params)
+  for i in range(steps):
+    scale = jmp_amp.get_loss_scale(state).loss_scale
+    grads = _grads_like(params, (i + 1) * 0.1 * scale)
+    _, state = opt.update(grads, state, params)
+  return state
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_skipped_step_is_exact_noop(name, bad, small_params):
+  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](), jmp_amp.DynamicLossScale(2.0**8))
+  state = _warm_state(opt, small_params)
+  grads = _grads_like(small_params, 1.0)
+  grads["dense"]["w"] = grads["dense"]["w"].at[1, 2].set(bad)
+
+  updates, new_state = jax.jit(opt.update)(grads, state, small_params)
+  new_params = optax.apply_updates(small_params, updates)
+
+  assert tree_bytes_equal(new_params, small_params)
+  assert tree_bytes_equal(new_state.inner_state, state.inner_state)
+  assert not bool(new_state.grads_finite)
+  assert int(new_state.skipped_steps) == int(state.skipped_steps) + 1
+  assert float(new_state.loss_scale.loss_scale) == 2.0**7
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_finite_step_equals_inner_on_unscaled_grads(name, small_params):
+  scale = 2.0**12
+  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](), jmp_amp.DynamicLossScale(scale))
+  inner = OPTIMIZERS[name]()
+  grads = jax.tree_util.tree_map(lambda p: 3.0 * p + 0.5, small_params)
+  updates, state = opt.update(jax.tree_util.tree_map(lambda g: g * scale, grads),
+                              opt.init(small_params), small_params)
+  expected, expected_inner = inner.update(grads, inner.init(small_params),
+                                          small_params)
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  chex.assert_trees_all_close(state.inner_state, expected_inner, rtol=1e-6)
+  assert bool(state.grads_finite) and int(state.skipped_steps) == 0
+
+
+def test_clipping_sees_unscaled_gradients(small_params):
+  # With scaled gradients the clip would see a norm 2**15 times too large.
+  tx = jmp_amp.loss_scaling(
+      optax.chain(optax.clip_by_global_norm(10.0), optax.sgd(1.0)),
+      jmp_amp.StaticLossScale(2.0**15))
+  grads = _grads_like(small_params, 0.01)  # norm well below 10
+  scaled = jax.tree_util.tree_map(lambda g: g * 2.0**15, grads)
+  updates, _ = tx.update(scaled, tx.init(small_params), small_params)
+  chex.assert_trees_all_close(updates, jax.tree_util.tree_map(lambda g: -g, grads),
+                              rtol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["finite", "inf", "nan"]), min_size=1, max_size=8),
+       st.sampled_from(list(OPTIMIZERS)))
+def test_trajectory_equals_inner_run_that_omits_bad_steps(kinds, name):
+  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}
+  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](),
+                             jmp_amp.DynamicLossScale(2.0**4, period=2))
+  inner = OPTIMIZERS[name]()
+  p, state = params, opt.init(params)
+  q, inner_state = params, inner.init(params)
+  update = jax.jit(opt.update)
+  for i, kind in enumerate(kinds):
+    g = {"w": jnp.full((2, 3), 0.1 * (i + 1)) * q["w"]}
+    scale = jmp_amp.get_loss_scale(state).loss_scale
+    scaled = {"w": g["w"] * scale}
+    if kind != "finite":
+      scaled = {"w": scaled["w"].at[0, 0].set(jnp.inf if kind == "inf" else jnp.nan)}
+    else:
+      u, inner_state = inner.update(g, inner_state, q)
+      q = optax.apply_updates(q, u)
+    u, state = update(scaled, state, p)
+    p = optax.apply_updates(p, u)
+  chex.assert_trees_all_close(p, q, rtol=1e-5, atol=1e-7)
+  assert int(state.skipped_steps) == sum(k != "finite" for k in kinds)
+  assert jmp_amp.all_finite(p)
+
+
+def test_get_loss_scale_inside_multisteps_and_chain(small_params):
+  scaled = jmp_amp.loss_scaling(optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0**9))
+  for wrapped in (optax.MultiSteps(scaled, every_k_schedule=2),
+                  optax.chain(optax.identity(), scaled),
+                  optax.chain(optax.scale(1.0), optax.MultiSteps(scaled, 2))):
+    state = wrapped.init(small_params)
+    assert float(jmp_amp.get_loss_scale(state).loss_scale) == 2.0**9
+    state = jax.jit(lambda s: s)(state)
+    assert float(jmp_amp.get_loss_scale(state).loss_scale) == 2.0**9
+
+
+def test_multisteps_accumulates_then_applies_and_skips(small_params):
+  opt = optax.MultiSteps(
+      jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(4.0)), 2)
+  state = opt.init(small_params)
+  grads = _grads_like(small_params, 4.0)  # scaled; unscaled = 1
+  u1, state = opt.update(grads, state, small_params)
+  u2, state = opt.update(grads, state, small_params)
+  chex.assert_trees_all_close(u1, jax.tree_util.tree_map(jnp.zeros_like, u1))
+  chex.assert_trees_all_close(u2, _grads_like(small_params, -1.0))
+  bad = _grads_like(small_params, jnp.nan)
+  _, state = opt.update(bad, state, small_params)
+  u4, state = opt.update(grads, state, small_params)
+  chex.assert_trees_all_close(u4, jax.tree_util.tree_map(jnp.zeros_like, u4))
+  assert int(jmp_amp.get_scaling_state(state).skipped_steps) == 1
+  assert float(jmp_amp.get_loss_scale(state).loss_scale) == 2.0
+
+
+def test_noop_scale_still_skips_nonfinite(small_params):
+  opt = jmp_amp.loss_scaling(optax.adam(1e-2), jmp_amp.NoOpLossScale())
+  state = opt.init(small_params)
+  updates, new_state = opt.update(_grads_like(small_params, jnp.nan), state,
+                                  small_params)
+  assert tree_bytes_equal(new_state.inner_state, state.inner_state)
+  chex.assert_trees_all_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, updates))
+  no_skip = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.NoOpLossScale(),
+                                 skip_nonfinite=False)
+  updates, _ = no_skip.update(_grads_like(small_params, jnp.nan),
+                              no_skip.init(small_params), small_params)
+  assert not jmp_amp.all_finite(updates)
+
+
+def test_half_gradients_are_unscaled_in_float32():
+  # Unscaling a float16 gradient happens in float32 and rounds once, back to
+  # the gradient's own dtype (2**-20 is a float16 subnormal).
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.StaticLossScale(2.0**15))
+  params = {"w": jnp.ones(2, jnp.float16)}
+  grads = {"w": jnp.full(2, 2.0**-5, jnp.float16)}
+  updates, _ = opt.update(grads, opt.init(params), params)
+  assert updates["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(updates["w"], np.float32),
+                                np.float32(np.float16(-(2.0**-20))))
+
+
+def test_scaling_metrics_and_compiles_once(small_params):
+  opt = jmp_amp.loss_scaling(optax.adam(1e-2), jmp_amp.DynamicLossScale(2.0**4, period=2))
+  state = opt.init(small_params)
+  traces = []
+
+  @jax.jit
+  def step(params, state, value):
+    traces.append(None)
+    updates, state = opt.update(_grads_like(params, value), state, params)
+    return optax.apply_updates(params, updates), state, jmp_amp.scaling_metrics(state)
+
+  params = small_params
+  for value in [1.0, jnp.inf, 1.0, 1.0, 1.0, jnp.nan, 1.0]:
+    params, state, metrics = step(params, state, value)
+  assert len(traces) == 1
+  assert int(metrics["skipped_steps"]) == 2 and int(metrics["steps"]) == 7
+  assert bool(metrics["grads_finite"])
+  assert metrics["loss_scale"].dtype == jnp.float32
+
+
+def test_bad_arguments_raise_clear_errors(small_params):
+  with pytest.raises(TypeError, match="optax.GradientTransformation"):
+    jmp_amp.loss_scaling(lambda g: g, jmp_amp.NoOpLossScale())
+  with pytest.raises(TypeError, match="loss_scale must be a jmp_amp"):
+    jmp_amp.loss_scaling(optax.sgd(1.0), 2.0**15)
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.NoOpLossScale())
+  with pytest.raises(TypeError, match="expected the LossScalingState"):
+    opt.update(small_params, optax.sgd(1.0).init(small_params), small_params)
+  with pytest.raises(ValueError, match="different tree structures"):
+    opt.update({"w": jnp.ones(2)}, opt.init(small_params), small_params)
+  with pytest.raises(ValueError, match="No loss_scaling state"):
+    jmp_amp.get_loss_scale(optax.adam(1e-3).init(small_params))
+  twice = optax.chain(opt, opt)
+  with pytest.raises(ValueError, match="Found 2 loss_scaling states"):
+    jmp_amp.get_loss_scale(twice.init(small_params))
