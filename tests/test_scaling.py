@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jmp_amp
-from conftest import tree_bytes_equal
+from helpers import tree_bytes_equal
 
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),
