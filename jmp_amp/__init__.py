@@ -5,6 +5,9 @@ optax transformation, op-level autocast and a matmul-dtype audit. Flax
 integration lives in `jmp_amp.flax`, which this module does not import.
 """
 
+from jmp_amp._src.audit import matmul_report
+from jmp_amp._src.audit import MatmulRecord
+from jmp_amp._src.audit import MatmulReport
 from jmp_amp._src.dtypes import half_dtype
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
@@ -31,6 +34,8 @@ __all__ = (
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",
+    "MatmulRecord",
+    "MatmulReport",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
@@ -45,6 +50,7 @@ __all__ = (
     "get_scaling_state",
     "half_dtype",
     "loss_scaling",
+    "matmul_report",
     "scaling_metrics",
     "select_tree",
 )
