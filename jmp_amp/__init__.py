@@ -8,6 +8,9 @@ integration lives in `jmp_amp.flax`, which this module does not import.
 from jmp_amp._src.audit import matmul_report
 from jmp_amp._src.audit import MatmulRecord
 from jmp_amp._src.audit import MatmulReport
+from jmp_amp._src.autocast import autocast
+from jmp_amp._src.autocast import AutocastRules
+from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
@@ -31,6 +34,8 @@ from jmp_amp._src.tree import select_tree
 __version__ = "0.1.0"
 
 __all__ = (
+    "AutocastRules",
+    "DEFAULT_AUTOCAST_RULES",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",
@@ -40,6 +45,7 @@ __all__ = (
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "autocast",
     "cast_floating",
     "cast_to_full",
     "cast_to_half",

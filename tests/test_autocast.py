@@ -1,0 +1,421 @@
+"""Tests for jmp_amp.autocast: op-level torch.autocast semantics for JAX."""
+
+import functools
+
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_amp
+from helpers import tree_bytes_equal
+
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+HALF = (BF16, F16)
+MATMULS = ("dot_general", "conv_general_dilated")
+FRAGILE = ("exp", "log", "log1p", "reduce_sum", "reduce_max", "rsqrt",
+           "integer_pow", "erf")
+MIXED_BF16 = "p=f32,c=bf16,o=f32"
+
+
+# ---- Helpers. -------------------------------------------------------------
+
+
+def _sub_jaxprs(params):
+  for value in params.values():
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    for v in values:
+      if isinstance(v, jax.extend.core.ClosedJaxpr):
+        yield v.jaxpr
+      elif isinstance(v, jax.extend.core.Jaxpr):
+        yield v
+
+
+def eqns(jaxpr):
+  """Yields every equation of `jaxpr`, nested jaxprs included."""
+  if isinstance(jaxpr, jax.extend.core.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in _sub_jaxprs(eqn.params):
+      yield from eqns(sub)
+
+
+def in_dtypes(eqn):
+  return [np.dtype(v.aval.dtype) for v in eqn.invars
+          if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+
+
+def dtypes_of(jaxpr, name):
+  """The floating input dtypes of each `name` equation in `jaxpr`."""
+  return [in_dtypes(e) for e in eqns(jaxpr) if e.primitive.name == name]
+
+
+def assert_amp_jaxpr(jaxpr, half=BF16, fragile=FRAGILE):
+  """Matmuls see `half` inputs, fragile ops float32 inputs."""
+  matmuls = [in_dtypes(e) for e in eqns(jaxpr) if e.primitive.name in MATMULS]
+  assert matmuls, "no matmul in the program"
+  for dts in matmuls:
+    assert set(dts) == {half}, (dts, jaxpr)
+  for name in fragile:
+    for dts in dtypes_of(jaxpr, name):
+      assert set(dts) <= {F32}, (name, dts)
+
+
+def mlp_loss(params, x, y):
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  logits = h @ params["w2"] + params["b2"]
+  return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * y, axis=-1))
+
+
+@pytest.fixture
+def mlp():
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  params = {"w1": jax.random.normal(k1, (8, 16)) * 0.3, "b1": jnp.zeros(16),
+            "w2": jax.random.normal(k2, (16, 4)) * 0.3, "b2": jnp.zeros(4)}
+  x = jax.random.normal(k3, (5, 8))
+  y = jax.nn.one_hot(jnp.arange(5) % 4, 4)
+  return params, x, y
+
+
+# ---- Small hand-written functions. ----------------------------------------
+
+
+def test_forward_dtypes(mlp):
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(mlp_loss, MIXED_BF16))(*mlp)
+  assert_amp_jaxpr(jaxpr)
+  # The float32 bias promotes `x @ w1 + b1` (and so tanh) to float32.
+  assert dtypes_of(jaxpr, "tanh") == [[F32]]
+  assert jaxpr.out_avals[0].dtype == F32
+  # Parameters enter as float32: the casts happen inside.
+  assert all(a.dtype == F32 for a in jaxpr.in_avals)
+
+
+@pytest.mark.parametrize("policy,out", [("mixed_bfloat16", BF16),
+                                        ("p=f32,c=f16,o=f32", F32),
+                                        (jnp.bfloat16, F32),
+                                        (np.dtype("float16"), F32)])
+def test_output_dtype(mlp, policy, out):
+  loss = jmp_amp.autocast(mlp_loss, policy)(*mlp)
+  assert loss.dtype == out
+
+
+def test_gradient_dots_stay_half(mlp):
+  grad_fn = jax.grad(jmp_amp.autocast(mlp_loss, MIXED_BF16))
+  jaxpr = jax.make_jaxpr(grad_fn)(*mlp)
+  assert_amp_jaxpr(jaxpr)
+  # Forward 2 dots plus 3 backward dots (no dx for the first layer's input
+  # is needed by grad w.r.t. params, but XLA gets it anyway before DCE).
+  assert len([e for e in eqns(jaxpr) if e.primitive.name == "dot_general"]) >= 5
+  grads = grad_fn(*mlp)
+  chex.assert_trees_all_equal_dtypes(grads, mlp[0])
+
+
+def test_lowered_matmuls_are_half(mlp):
+  grad_fn = jax.grad(jmp_amp.autocast(mlp_loss, "p=f32,c=f16,o=f32"))
+  report = jmp_amp.matmul_report(grad_fn, *mlp)
+  assert len(report) >= 5
+  assert report.all_inputs_in("f16"), report
+
+
+def test_numerics_close_to_float32(mlp):
+  loss32, grads32 = jax.value_and_grad(mlp_loss)(*mlp)
+  for policy, tol in (("p=f32,c=bf16,o=f32", 3e-2), ("p=f32,c=f16,o=f32", 5e-3)):
+    loss, grads = jax.jit(jax.value_and_grad(
+        jmp_amp.autocast(mlp_loss, policy)))(*mlp)
+    chex.assert_trees_all_close(loss, loss32, rtol=tol, atol=tol)
+    chex.assert_trees_all_close(grads, grads32, rtol=tol * 5, atol=tol)
+
+
+def test_softmax_of_large_logits_does_not_overflow():
+  logits = jnp.array([[1e5, 0.9e5, -1e5], [3.0, 2.0, 1.0]], jnp.float32)
+  plain = jax.nn.softmax(logits.astype(jnp.float16))
+  assert not np.isfinite(np.asarray(plain, np.float32)).all()
+  amp = jmp_amp.autocast(jax.nn.softmax, "p=f32,c=f16,o=f32")(logits)
+  chex.assert_tree_all_finite(amp)
+  chex.assert_trees_all_close(amp, jax.nn.softmax(logits), atol=1e-6)
+
+
+def test_naive_logsumexp_sum_and_exp_run_in_float32():
+  # exp(15) and a 1e5-element sum both overflow float16 (max 65504).
+  x = jnp.full((2, 8), 15.0)
+  naive = lambda x: jnp.log(jnp.sum(jnp.exp(x), axis=-1))
+  assert not np.isfinite(np.asarray(naive(x.astype(jnp.float16)), np.float32)).all()
+  out = jmp_amp.autocast(naive, "p=f32,c=f16,o=f32")(x)
+  chex.assert_trees_all_close(out, naive(x), rtol=1e-6)
+  total = jmp_amp.autocast(jnp.sum, "p=f32,c=f16,o=f32")(jnp.ones(100_000))
+  assert total == 100_000
+
+
+def test_layer_norm_statistics_in_float32():
+  def layer_norm(x, w):
+    h = x @ w  # half
+    mu = h.mean(-1, keepdims=True)
+    var = ((h - mu) ** 2).mean(-1, keepdims=True)
+    return (h - mu) * lax.rsqrt(var + 1e-5)
+
+  x, w = jnp.ones((2, 4)), jnp.eye(4) * 300.0
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(layer_norm, "p=f32,c=f16,o=f32"))(x, w)
+  assert_amp_jaxpr(jaxpr, half=F16)
+
+
+def test_promote_uses_widest_and_ignores_scalars():
+  def f(x, w, b):
+    h = x @ w          # half
+    return h * 2.0, h + b, h * h   # scalar: half; f32 bias: f32; half * half
+
+  x, w, b = jnp.ones((2, 3)), jnp.ones((3, 3)), jnp.ones(3)
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, "p=f32,c=bf16,o=bf16"))(x, w, b)
+  assert dtypes_of(jaxpr, "mul") == [[BF16, BF16], [BF16, BF16]]
+  assert dtypes_of(jaxpr, "add") == [[F32, F32]]
+
+
+def test_explicit_casts_are_honoured():
+  def f(x, w):
+    return (x @ w).astype(jnp.float32) * 3.0
+
+  half = jnp.ones((2, 3), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, "p=f32,c=bf16,o=bf16"))(
+      half, half.T)
+  assert dtypes_of(jaxpr, "mul") == [[F32, F32]]
+
+
+def test_static_arguments_and_kwargs():
+  def f(x, *, scale, training):
+    return x * scale if training else x
+
+  g = jmp_amp.autocast(f, jnp.bfloat16)
+  chex.assert_trees_all_close(g(jnp.ones(3), scale=2.0, training=True),
+                              jnp.full(3, 2.0))
+  assert g(jnp.ones(3), scale=2.0, training=False).dtype == F32
+
+
+def test_half_scatter_add_lowers():
+  # The scatter's scalar combiner is re-typed for the half operand.
+  def f(x, w):
+    h = x @ w
+    return h.at[jnp.array([0, 1])].add(h[2:4])
+
+  x, w = jnp.ones((4, 3)), jnp.ones((3, 3))
+  g = jmp_amp.autocast(f, "mixed_float16")
+  assert dtypes_of(jax.make_jaxpr(g)(x, w), "scatter-add") == [[F16, F16]]
+  chex.assert_trees_all_close(jax.jit(g)(x, w), f(x, w))
+  chex.assert_trees_all_close(jax.grad(lambda w: jax.jit(g)(x, w).sum())(w),
+                              jax.grad(lambda w: f(x, w).sum())(w))
+
+
+# ---- Higher-order primitives. ---------------------------------------------
+
+
+def test_jit_inside_is_autocast():
+  inner = jax.jit(lambda x, w: jnp.exp(x @ w))
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(inner, MIXED_BF16))(
+      jnp.ones((2, 3)), jnp.ones((3, 3)))
+  assert_amp_jaxpr(jaxpr, fragile=("exp",))
+
+
+def test_checkpoint_is_kept():
+  f = jax.checkpoint(lambda x, w: jnp.sum(jnp.tanh(x @ w)))
+  g = jmp_amp.autocast(f, MIXED_BF16)
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 3)) * 0.1
+  jaxpr = jax.make_jaxpr(jax.grad(g, argnums=1))(x, w)
+  assert "remat2" in {e.primitive.name for e in eqns(jaxpr)}
+  assert_amp_jaxpr(jaxpr, fragile=("reduce_sum",))
+  chex.assert_trees_all_close(jax.grad(g, argnums=1)(x, w),
+                              jax.grad(f, argnums=1)(x, w), rtol=2e-2)
+
+
+def test_scan_carry_dtype_is_consistent():
+  def rnn(h0, xs, w):
+    def step(h, x):
+      h = jnp.tanh(h @ w + x)   # half matmul, float32 x: widest is float32
+      return h, jnp.exp(h)
+    return lax.scan(step, h0, xs)
+
+  h0, xs, w = jnp.ones(4), jnp.ones((5, 4)) * 0.1, jnp.eye(4) * 0.5
+  g = jmp_amp.autocast(rnn, "p=f32,c=bf16,o=f32")
+  jaxpr = jax.make_jaxpr(g)(h0, xs, w)
+  assert_amp_jaxpr(jaxpr, fragile=("exp",))
+  chex.assert_trees_all_close(g(h0, xs, w), rnn(h0, xs, w), rtol=3e-2)
+
+
+def _scan_carry_dtypes(jaxpr):
+  scan = [e for e in eqns(jaxpr) if e.primitive.name == "scan"][0]
+  return [v.aval.dtype for v in scan.outvars[:scan.params["num_carry"]]]
+
+
+def test_scan_carry_keeps_wider_initial_dtype():
+  # The body returns a half carry (matmul then tanh) for a float32 carry: the
+  # carry stays float32 and the body's output is cast back at the boundary.
+  f = lambda c, xs, w: lax.scan(lambda c, x: (jnp.tanh(c @ w) * x, None), c, xs)[0]
+  c, xs, w = jnp.ones(3), jnp.ones((2, 3), jnp.bfloat16), jnp.eye(3)
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, "p=f32,c=bf16,o=f32"))(c, xs, w)
+  assert _scan_carry_dtypes(jaxpr) == [F32]
+  assert dtypes_of(jaxpr, "tanh") == [[BF16]]
+
+
+def test_scan_carry_widens_to_fixed_point():
+  # In bfloat16 the carry stays bfloat16; under autocast exp runs in float32,
+  # so the carry is widened to float32 for every iteration.
+  f = lambda c, xs: lax.scan(lambda c, x: (jnp.exp(c) * x, None), c, xs)[0]
+  c, xs = jnp.ones(3, jnp.bfloat16), jnp.full((2, 3), 0.5, jnp.bfloat16)
+  g = jmp_amp.autocast(f, "p=f32,c=bf16,o=f32")
+  jaxpr = jax.make_jaxpr(g)(c, xs)
+  assert _scan_carry_dtypes(jaxpr) == [F32]
+  chex.assert_trees_all_close(g(c, xs), f(c.astype(F32), xs.astype(F32)),
+                              rtol=1e-6)
+
+
+def test_while_and_cond():
+  def f(x, w):
+    def body(c):
+      i, h = c
+      return i + 1, h @ w
+    _, h = lax.while_loop(lambda c: c[0] < 3, body, (0, x))
+    return lax.cond(h.sum() > 0, lambda h: jnp.exp(h), lambda h: h * 2, h)
+
+  x, w = jnp.ones((2, 3)), jnp.eye(3) * 0.5
+  g = jmp_amp.autocast(f, MIXED_BF16)
+  jaxpr = jax.make_jaxpr(g)(x, w)
+  assert_amp_jaxpr(jaxpr, fragile=("exp",))
+  chex.assert_trees_all_close(g(x, w), f(x, w), rtol=2e-2)
+
+
+def test_custom_jvp_rule_is_kept():
+  @jax.custom_jvp
+  def f(x):
+    return jnp.sin(x)
+
+  f.defjvp(lambda p, t: (f(p[0]), 42.0 * t[0]))
+  g = jmp_amp.autocast(lambda x, w: jnp.sum(f(x @ w)), MIXED_BF16)
+  x, w = jnp.ones((1, 2)), jnp.eye(2)
+  chex.assert_trees_all_close(jax.grad(g, argnums=1)(x, w), jnp.full((2, 2), 42.0))
+  # relu is a custom_jvp: gradient at exactly 0 is 0 (the rule), not 0.5.
+  relu = jmp_amp.autocast(lambda x: jnp.sum(jax.nn.relu(x)), jnp.float16)
+  assert jax.grad(relu)(jnp.zeros(3)).tolist() == [0.0, 0.0, 0.0]
+  # Forward mode works through the custom JVP (no half matmul involved).
+  h = jmp_amp.autocast(lambda x: jnp.sum(f(x)), jnp.float16)
+  _, tangent = jax.jvp(h, (x,), (jnp.ones_like(x),))
+  chex.assert_trees_all_close(tangent, 42.0 * 2)
+
+
+def test_custom_vjp_rule_is_kept_and_autocast():
+  @jax.custom_vjp
+  def clip_grad(x):
+    return x
+
+  clip_grad.defvjp(lambda x: (x, None),
+                   lambda _, g: (jnp.clip(g, -1e-3, 1e-3),))
+  f = lambda x, w: jnp.sum(clip_grad(x @ w) * 100.0)
+  g = jmp_amp.autocast(f, MIXED_BF16)
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
+  grads = jax.grad(g, argnums=1)(x, w)
+  chex.assert_trees_all_close(grads, jnp.full((3, 3), 2e-3), rtol=1e-2)
+  jaxpr = jax.make_jaxpr(jax.grad(g, argnums=1))(x, w)
+  assert_amp_jaxpr(jaxpr, fragile=())
+
+
+# ---- Composition, idempotence, identity. ----------------------------------
+
+
+def test_jit_and_vmap(mlp):
+  params, x, y = mlp
+  g = jmp_amp.autocast(mlp_loss, MIXED_BF16)
+  eager = g(params, x, y)
+  chex.assert_trees_all_close(jax.jit(g)(params, x, y), eager, rtol=1e-2)
+  per_example = jax.vmap(g, in_axes=(None, 0, 0))(params, x[:, None], y[:, None])
+  assert per_example.shape == (5,) and per_example.dtype == F32
+  chex.assert_trees_all_close(per_example.mean(), eager, rtol=2e-2)
+  jaxpr = jax.make_jaxpr(jax.vmap(jax.grad(g), in_axes=(None, 0, 0)))(
+      params, x[:, None], y[:, None])
+  assert_amp_jaxpr(jaxpr)
+
+
+def test_idempotent(mlp):
+  once = jmp_amp.autocast(mlp_loss, MIXED_BF16)
+  twice = jmp_amp.autocast(once, MIXED_BF16)
+  assert tree_bytes_equal(jax.jit(twice)(*mlp), jax.jit(once)(*mlp))
+  assert tree_bytes_equal(jax.jit(jax.grad(twice))(*mlp),
+                          jax.jit(jax.grad(once))(*mlp))
+
+
+def test_float32_policy_is_identity(mlp):
+  f = jax.jit(lambda p, x, y: (mlp_loss(p, x, y), jnp.exp(x @ p["w1"])))
+  for policy in ("float32", jnp.float32, jmp_amp.get_policy("p=f32,c=f32")):
+    g = jmp_amp.autocast(f, policy)
+    assert tree_bytes_equal(g(*mlp), f(*mlp))
+    assert tree_bytes_equal(jax.grad(lambda *a: g(*a)[0])(*mlp),
+                            jax.grad(lambda *a: f(*a)[0])(*mlp))
+
+
+# ---- Rules. ----------------------------------------------------------------
+
+
+def test_default_rules():
+  rules = jmp_amp.DEFAULT_AUTOCAST_RULES
+  assert rules.half == {"dot_general", "conv_general_dilated"}
+  for name in ("exp", "log", "reduce_sum", "reduce_max", "rsqrt", "cumsum",
+               "erf_inv", "pow", "integer_pow"):
+    assert rules.rule_for(name) == "float32", name
+  for name in ("add", "mul", "div", "tanh", "logistic", "sqrt", "reshape"):
+    assert rules.rule_for(name) == "promote", name
+  assert rules.rule_for(lax.exp_p) == "float32"
+  assert not (rules.half & rules.float32 or rules.half & rules.promote
+              or rules.float32 & rules.promote)
+
+
+def test_editing_rules_changes_behaviour():
+  f = lambda x, w: jnp.tanh(jnp.exp(x @ w))
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 3)) * 0.1
+  rules = jmp_amp.DEFAULT_AUTOCAST_RULES.with_half("exp").with_float32(lax.tanh_p)
+  assert rules.rule_for("exp") == "half" and rules.rule_for("tanh") == "float32"
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, MIXED_BF16, rules=rules))(x, w)
+  assert dtypes_of(jaxpr, "exp") == [[BF16]]
+  assert dtypes_of(jaxpr, "tanh") == [[F32]]
+  # Off every list, a primitive runs as traced (here: float32).
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(
+      f, MIXED_BF16, rules=rules.without("exp")))(x, w)
+  assert dtypes_of(jaxpr, "exp") == [[F32]]
+  # dot_general moved to float32: no half matmul left.
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(
+      f, MIXED_BF16, rules=rules.with_float32("dot_general")))(x, w)
+  assert dtypes_of(jaxpr, "dot_general") == [[F32, F32]]
+  # The default rules are untouched.
+  assert jmp_amp.DEFAULT_AUTOCAST_RULES.rule_for("exp") == "float32"
+
+
+def test_rules_are_hashable_data():
+  rules = jmp_amp.AutocastRules(half={"dot_general"}, float32=["exp"])
+  assert rules == jmp_amp.AutocastRules(half=("dot_general",), float32={"exp"})
+  assert hash(rules) == hash(rules.with_half("dot_general"))
+  assert rules.promote == frozenset()
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda r: r.with_float32("expp"), "Unknown primitive name 'expp'.*'exp'"),
+    (lambda r: r.with_half("scan"), "'scan' cannot be put on an autocast list"),
+    (lambda r: r.with_promote("convert_element_type"), "cannot be put"),
+    (lambda r: jmp_amp.AutocastRules(half={"exp"}, float32={"exp"}),
+     "'exp' is on both"),
+])
+def test_rule_errors(edit, match):
+  with pytest.raises(ValueError, match=match):
+    edit(jmp_amp.DEFAULT_AUTOCAST_RULES)
+
+
+# ---- Errors. ---------------------------------------------------------------
+
+
+def test_errors():
+  with pytest.raises(TypeError, match="callable"):
+    jmp_amp.autocast(3, "mixed_bfloat16")
+  with pytest.raises(ValueError, match="Unknown dtype 'bfloat17'"):
+    jmp_amp.autocast(jnp.sin, "p=f32,c=bfloat17")
+  with pytest.raises(TypeError, match="floating dtype.*int32"):
+    jmp_amp.autocast(jnp.sin, jnp.int32)
+  with pytest.raises(TypeError, match="AutocastRules"):
+    jmp_amp.autocast(jnp.sin, jnp.bfloat16, rules={"half": {"exp"}})
