@@ -1,0 +1,30 @@
+"""Flax integration: per-module precision policies and mixed-precision steps.
+
+Not imported by `import jmp_amp`, so the core stays free of Flax.
+"""
+
+from jmp_amp.flax.linen import apply_with_policies
+from jmp_amp.flax.linen import init_with_policies
+from jmp_amp.flax.linen import linen_policies
+from jmp_amp.flax.linen import policied_apply
+from jmp_amp.flax.nnx import clear_policies
+from jmp_amp.flax.nnx import get_policies
+from jmp_amp.flax.nnx import policy_of
+from jmp_amp.flax.nnx import set_policies
+from jmp_amp.flax.rules import mixed_rules
+from jmp_amp.flax.rules import NORM_CLASSES
+from jmp_amp.flax.rules import PolicyRules
+
+__all__ = (
+    "NORM_CLASSES",
+    "PolicyRules",
+    "apply_with_policies",
+    "clear_policies",
+    "get_policies",
+    "init_with_policies",
+    "linen_policies",
+    "mixed_rules",
+    "policied_apply",
+    "policy_of",
+    "set_policies",
+)

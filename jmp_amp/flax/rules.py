@@ -1,0 +1,366 @@
+"""Per-module policy rules: which `Policy` each module of a Flax model gets.
+
+A rules mapping goes from a *key* to a *policy*:
+
+* key: a module class (``nnx.LayerNorm``, ``nn.Dense``), matched with
+  `isinstance`; or a path pattern (a `str`), matched against the module's
+  '/'-joined path in the model, e.g. ``"head"``, ``"blocks/0/attn"``,
+  ``"blocks/*/attn"``. The root module's path is ``""``.
+* policy: a `jmp_amp.Policy`, a policy string (``"float32"``,
+  ``"mixed_bfloat16"``, ``"p=f32,c=bf16,o=f32"``), or None to leave the
+  matched modules as they are.
+
+Patterns are globs over path segments: ``*`` matches within one segment,
+``?`` one character of a segment, ``[abc]`` / ``[!abc]`` / ``[0-9]`` a
+character class, and ``**`` any number of segments (``"blocks/**"`` is
+everything inside ``blocks``, ``"**/attn"`` an ``attn`` at any depth).
+
+Resolution, for each module:
+
+1. The first rule, in mapping order, whose key matches the module wins.
+2. Otherwise the module inherits the policy of its nearest ancestor that a
+   rule matched, so ``{"head": "float32"}`` covers the layers inside ``head``.
+3. Otherwise the catch-all key ``"*"`` applies, wherever it sits in the
+   mapping: it is the default, the weakest rule.
+4. Otherwise the module is left as it is.
+
+Example:
+  >>> rules = {"blocks/*/attn": "p=f32,c=bf16,o=f32",
+  ...          nnx.LayerNorm: "float32",
+  ...          "*": "mixed_bfloat16"}
+  >>> mixed_rules("float16")  # norms in float32, the rest p=f32,c=f16,o=f16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+import warnings
+
+from flax import linen as nn
+from flax import nnx
+
+import jmp_amp
+from jmp_amp import Policy
+
+DEFAULT_KEY = "*"
+
+PolicyLike = Union[Policy, str, None]
+RuleKey = Union[type, str]
+
+
+def _norm_classes() -> tuple[type, ...]:
+  names = ("BatchNorm", "LayerNorm", "RMSNorm", "GroupNorm", "InstanceNorm")
+  return tuple(getattr(mod, n) for mod in (nnx, nn) for n in names
+               if hasattr(mod, n))
+
+
+NORM_CLASSES: tuple[type, ...] = _norm_classes()
+
+
+class PolicyRules(dict):
+  """An ordered rules dict that remembers which rules are optional.
+
+  Optional rules (the norm rules of `mixed_rules`) raise no warning when they
+  match no module, so one rule set fits models with and without, say,
+  BatchNorm. `|` and `copy` keep the optional marks, so extending a rule set
+  stays quiet: ``mixed_rules() | {"head": "float32"}``.
+
+  Example:
+    >>> rules = PolicyRules({nnx.Dropout: "float32", "*": "bf16"},
+    ...                     optional=[nnx.Dropout])
+  """
+
+  def __init__(self, rules: Union[Mapping[RuleKey, PolicyLike],
+                                  Iterable[tuple[RuleKey, PolicyLike]]] = (),
+               optional: Iterable[RuleKey] = ()):
+    super().__init__(rules)
+    self.optional = frozenset(optional) | frozenset(
+        getattr(rules, "optional", ()))
+
+  def copy(self) -> PolicyRules:
+    return PolicyRules(self, optional=self.optional)
+
+  def __or__(self, other):
+    if not isinstance(other, Mapping):
+      return NotImplemented
+    merged = PolicyRules(self, optional=self.optional)
+    merged.update(other)
+    merged.optional = (self.optional - set(other)) | frozenset(
+        getattr(other, "optional", ()))
+    return merged
+
+  def __ror__(self, other):
+    if not isinstance(other, Mapping):
+      return NotImplemented
+    merged = PolicyRules(other, optional=getattr(other, "optional", ()))
+    merged.update(self)
+    merged.optional = (merged.optional - set(self)) | self.optional
+    return merged
+
+  def __repr__(self) -> str:
+    return f"PolicyRules({dict.__repr__(self)}, optional={set(self.optional)})"
+
+
+def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
+                output: Any = None, norms: PolicyLike = "float32"
+                ) -> PolicyRules:
+  """The default rules: norms in float32, everything else in `compute`.
+
+  Normalisation layers (BatchNorm, LayerNorm, RMSNorm, GroupNorm,
+  InstanceNorm; NNX and linen) compute their statistics and outputs in
+  float32; BatchNorm's running statistics stay float32 under any policy.
+  The norm rules are optional: they warn about nothing in models without
+  norms.
+
+  Example:
+    >>> mixed_rules()
+    ... # {nnx.BatchNorm: 'float32', ..., '*': 'p=f32,c=bf16,o=bf16'}
+    >>> model = set_policies(model, mixed_rules("float16"))
+
+  Args:
+    compute: compute dtype of the catch-all rule ("bfloat16", "float16").
+    param: param (master weight) dtype of the catch-all rule.
+    output: output dtype of the catch-all rule; default `compute`, as in
+      Keras' "mixed_bfloat16".
+    norms: policy of the normalisation layers.
+
+  Returns:
+    A `PolicyRules` with the norm rules first and ``"*"`` last.
+  """
+  default = Policy(param, compute, compute if output is None else output)
+  norm_policy = resolve_policy("norms", norms)
+  rules = {cls: norm_policy for cls in NORM_CLASSES}
+  rules[DEFAULT_KEY] = default
+  return PolicyRules(rules, optional=NORM_CLASSES)
+
+
+# --------------------------------------------------------------------------
+# Validation.
+
+
+def resolve_policy(key: Any, value: Any) -> Optional[Policy]:
+  """A rule's value as a `Policy` (None stays None); ValueError otherwise."""
+  if value is None or isinstance(value, Policy):
+    return value
+  if isinstance(value, str):
+    try:
+      return jmp_amp.get_policy(value)
+    except ValueError as e:
+      raise ValueError(
+          f"Invalid policy {value!r} for rule {describe_key(key)}: {e}"
+      ) from None
+  raise ValueError(
+      f"Rule {describe_key(key)} has value {value!r} of type "
+      f"{type(value).__name__}; expected a jmp_amp.Policy, a policy string "
+      "such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32', or None.")
+
+
+def describe_key(key: Any) -> str:
+  if isinstance(key, type):
+    framework = "linen" if issubclass(key, nn.Module) else "nnx"
+    if key.__module__.startswith("flax."):
+      return f"{framework}.{key.__qualname__}"
+    return f"{key.__module__}.{key.__qualname__}"
+  return repr(key)
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+  """Compiles a path glob (see the module docstring) to an anchored regex.
+
+  Example:
+    >>> bool(compile_pattern("blocks/*/attn").match("blocks/3/attn"))
+    True
+
+  Raises:
+    ValueError: unbalanced ``[``/``]``, an empty or invalid character class,
+      a '/' inside a class, a leading/trailing '/' or an empty segment.
+  """
+  def fail(why: str) -> ValueError:
+    return ValueError(f"Invalid path pattern {pattern!r}: {why}. Patterns "
+                      "are '/'-separated globs like 'blocks/*/attn', "
+                      "'**/mlp' or 'layers_[0-3]'.")
+
+  if pattern.startswith("/") or (pattern.endswith("/") and pattern):
+    raise fail("module paths have no leading or trailing '/'")
+  if "//" in pattern:
+    raise fail("empty path segment '//'")
+  out, i, n = [], 0, len(pattern)
+  while i < n:
+    c = pattern[i]
+    if pattern.startswith("**", i):
+      i += 2
+      if pattern.startswith("/", i):
+        out.append("(?:.*/)?")
+        i += 1
+      else:
+        out.append(".*")
+    elif c == "*":
+      out.append("[^/]*")
+      i += 1
+    elif c == "?":
+      out.append("[^/]")
+      i += 1
+    elif c == "[":
+      j = i + 1
+      negate = j < n and pattern[j] in "!^"
+      if negate:
+        j += 1
+      start = j
+      if j < n and pattern[j] == "]":  # a leading ']' is literal, as in glob
+        j += 1
+      while j < n and pattern[j] != "]":
+        j += 1
+      if j >= n:
+        raise fail(f"unbalanced '[' at position {i}")
+      body = pattern[start:j]
+      if "/" in body:
+        raise fail("'/' inside a character class can never match")
+      body = body.replace("\\", "\\\\").replace("^", "\\^")
+      out.append(("[^/" if negate else "[") + body + "]")
+      i = j + 1
+    elif c == "]":
+      raise fail(f"unbalanced ']' at position {i}")
+    else:
+      out.append(re.escape(c))
+      i += 1
+  try:
+    return re.compile("".join(out) + r"\Z")
+  except re.error as e:
+    raise fail(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One validated rule."""
+  key: RuleKey
+  policy: Optional[Policy]
+  regex: Optional[re.Pattern]
+  optional: bool
+
+  def matches(self, path: str, module: Any) -> bool:
+    if self.regex is None:
+      return isinstance(module, self.key)
+    return self.regex.match(path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSet:
+  """Validated rules: the ordered explicit rules and the catch-all default."""
+  rules: tuple[Rule, ...]
+  default: Optional[Rule]
+
+  @property
+  def all_rules(self) -> tuple[Rule, ...]:
+    return self.rules + ((self.default,) if self.default else ())
+
+
+def validate_rules(rules: Any) -> RuleSet:
+  """Checks a rules mapping eagerly and compiles its patterns.
+
+  A lone `Policy` or policy string means ``{"*": policy}``.
+
+  Raises:
+    TypeError: `rules` is not a mapping/policy, or a key is neither a module
+      class nor a str.
+    ValueError: a value is not a policy, or a pattern is malformed.
+  """
+  if isinstance(rules, (Policy, str)):
+    rules = {DEFAULT_KEY: rules}
+  if not isinstance(rules, Mapping):
+    raise TypeError(
+        "rules must be a mapping {module class or path pattern: policy}, a "
+        f"Policy or a policy string; got {type(rules).__name__}: {rules!r}")
+  optional = getattr(rules, "optional", frozenset())
+  compiled, default = [], None
+  for key, value in rules.items():
+    if isinstance(key, type):
+      if not issubclass(key, (nnx.Module, nn.Module)):
+        raise TypeError(
+            f"Rule key {describe_key(key)} is a class but not a Flax module "
+            "class (nnx.Module or linen Module subclass).")
+      regex = None
+    elif isinstance(key, str):
+      regex = None if key == DEFAULT_KEY else compile_pattern(key)
+    else:
+      raise TypeError(
+          f"Rule key {key!r} of type {type(key).__name__} is neither a module "
+          "class (e.g. nnx.LayerNorm) nor a path pattern str (e.g. "
+          "'blocks/*/attn').")
+    rule = Rule(key, resolve_policy(key, value), regex, key in optional)
+    if key == DEFAULT_KEY:
+      default = rule
+    else:
+      compiled.append(rule)
+  return RuleSet(tuple(compiled), default)
+
+
+# --------------------------------------------------------------------------
+# Resolution.
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+  """How one module got its policy.
+
+  Attributes:
+    policy: the policy, or None (module left as is).
+    rule: the rule that decided it (None when nothing matched).
+    source: "rule" (matched directly), "inherited" (from an ancestor matched
+      by `rule`), "default" (the "*" rule) or "none".
+  """
+  policy: Optional[Policy]
+  rule: Optional[Rule]
+  source: str
+
+
+NO_POLICY = Resolution(None, None, "none")
+
+
+def resolve(ruleset: RuleSet, path: str, module: Any,
+            parent: Optional[Resolution]) -> Resolution:
+  """The policy of one module, given its parent's resolution (or None)."""
+  for rule in ruleset.rules:
+    if rule.matches(path, module):
+      return Resolution(rule.policy, rule, "rule")
+  if parent is not None and parent.source in ("rule", "inherited"):
+    return Resolution(parent.policy, parent.rule, "inherited")
+  if ruleset.default is not None:
+    return Resolution(ruleset.default.policy, ruleset.default, "default")
+  return NO_POLICY
+
+
+def report_unmatched(ruleset: RuleSet, used: set, candidates: Sequence[tuple[
+    str, Any]], *, strict: bool, what: str) -> None:
+  """Warns (or raises if `strict`) about rules that decided no module.
+
+  Args:
+    ruleset: the validated rules.
+    used: keys of the rules that decided at least one module directly.
+    candidates: (path, module) pairs, to say which earlier rule shadowed a
+      rule that matched modules but never won.
+    strict: raise ValueError instead of warning.
+    what: how to name the model in the message.
+  """
+  problems = []
+  # A catch-all that catches nothing is not a mistake, so "*" never warns.
+  for rule in ruleset.rules:
+    if rule.key in used or rule.optional:
+      continue
+    matched = [p for p, m in candidates if rule.matches(p, m)]
+    if matched:
+      why = (f"every module it matches (e.g. {matched[0] or '<root>'!r}) is "
+             "decided by an earlier rule")
+    elif isinstance(rule.key, type):
+      why = "no module is an instance of it"
+    else:
+      why = "no module path matches it"
+    problems.append(f"rule {describe_key(rule.key)} -> {rule.policy} matched "
+                    f"no module of {what}: {why}")
+  if not problems:
+    return
+  msg = "jmp_amp.flax: " + "; ".join(problems) + "."
+  if strict:
+    raise ValueError(msg)
+  warnings.warn(msg, UserWarning, stacklevel=3)
