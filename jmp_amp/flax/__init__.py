@@ -14,15 +14,21 @@ from jmp_amp.flax.nnx import set_policies
 from jmp_amp.flax.rules import mixed_rules
 from jmp_amp.flax.rules import NORM_CLASSES
 from jmp_amp.flax.rules import PolicyRules
+from jmp_amp.flax.train import make_linen_train_step
+from jmp_amp.flax.train import make_train_step
+from jmp_amp.flax.train import TrainState
 
 __all__ = (
     "NORM_CLASSES",
     "PolicyRules",
+    "TrainState",
     "apply_with_policies",
     "clear_policies",
     "get_policies",
     "init_with_policies",
     "linen_policies",
+    "make_linen_train_step",
+    "make_train_step",
     "mixed_rules",
     "policied_apply",
     "policy_of",

@@ -1,0 +1,312 @@
+"""Mixed-precision train steps for Flax NNX and linen.
+
+PyTorch's recipe::
+
+    with torch.autocast("cuda", dtype=torch.float16):
+      output = net(input); loss = loss_fn(output, target)
+    scaler.scale(loss).backward()
+    scaler.step(opt); scaler.update()
+
+in JAX, with a policied NNX model (or ``autocast="float16"`` instead of
+`set_policies`, for torch's op-level autocast)::
+
+    jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("float16"))
+    opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+        optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0 ** 15)), wrt=nnx.Param)
+    step = jmp_amp.flax.make_train_step(lambda m, b: loss_fn(m(b[0]), b[1]))
+    metrics = step(model, opt, (input, target))  # jitted, donates model+opt
+
+The step scales the loss by the optimizer's current loss scale, takes the
+gradients, and lets `jmp_amp.loss_scaling` unscale them, skip the update if
+any is inf/NaN and adjust the scale. On a skipped step nothing in the model
+changes: the params are left alone by `loss_scaling`, and the step also
+reverts the BatchNorm statistics (``revert_on_skip``) that the forward pass of
+the overflowing step computed. The loss scale still adjusts.
+
+Both steps take ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with
+``has_aux=True``): `model` is the NNX module itself, or for linen a callable
+``model(*args, **kwargs)`` that runs ``state.apply_fn`` on the current params
+(handling mutable collections such as ``batch_stats``). The loss is computed
+in whatever dtype `loss_fn` returns and cast to float32; cast half-precision
+logits to float32 before a softmax cross-entropy, or use ``autocast=``.
+
+The metrics are float32 ``loss`` (unscaled), ``loss_scale`` (after this step's
+adjustment), ``grads_finite``, ``skipped_steps``, ``steps`` and, with
+``has_aux``, ``aux``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence, Union
+
+from flax import nnx
+from flax import struct
+from flax.training import train_state
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_amp
+from jmp_amp import Policy
+
+AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
+
+
+class TrainState(train_state.TrainState):
+  """`flax.training.train_state.TrainState` with a ``batch_stats`` field.
+
+  Example:
+    >>> state = TrainState.create(apply_fn=policied_apply(model, rules),
+    ...                           params=variables["params"], tx=tx,
+    ...                           batch_stats=variables["batch_stats"])
+  """
+  batch_stats: Any = None
+
+
+def _autocast_hook(autocast: AutocastSpec) -> Optional[Callable]:
+  """The function transformation the `autocast=` argument stands for."""
+  if autocast is None:
+    return None
+  if isinstance(autocast, (str, Policy)):
+    # The wrapped function returns the loss and model state, not
+    # activations: keep those in float32 whatever the policy's output dtype.
+    policy = jmp_amp.get_policy(autocast).with_output_dtype(np.float32)
+    return lambda fn: jmp_amp.autocast(fn, policy)
+  if callable(autocast) and not isinstance(autocast, type):
+    return autocast
+  try:
+    np.dtype(autocast)
+  except TypeError:
+    raise TypeError(
+        "autocast must be None, a policy (string or jmp_amp.Policy), a "
+        "floating dtype or a callable fn -> fn, e.g. "
+        f"functools.partial(jmp_amp.autocast, policy_or_dtype=...); got "
+        f"{autocast!r}") from None
+  return lambda fn: jmp_amp.autocast(fn, autocast)
+
+
+def _split_loss(out: Any, has_aux: bool):
+  if has_aux:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError("loss_fn with has_aux=True must return (loss, aux), got "
+                      f"{type(out).__name__}")
+    loss, aux = out
+  else:
+    loss, aux = out, None
+  loss = jnp.asarray(loss)
+  if loss.shape != ():
+    raise TypeError(f"loss_fn must return a scalar loss, got shape {loss.shape}"
+                    + ("; pass has_aux=True to return (loss, aux)"
+                       if isinstance(out, tuple) else ""))
+  return loss.astype(jnp.float32), aux
+
+
+def _like(new: Any, old: Any) -> Any:
+  """`new` in the tree type and dtypes of `old`.
+
+  `apply` may return dicts where the state held FrozenDicts, and autocast may
+  have retyped floating leaves.
+  """
+  new_leaves = jax.tree_util.tree_leaves(new)
+  old_leaves, treedef = jax.tree_util.tree_flatten(old)
+  if len(new_leaves) != len(old_leaves):
+    raise ValueError("the model changed the structure of its mutable state: "
+                     f"{jax.tree_util.tree_structure(new)} vs {treedef}")
+
+  def cast(n, o):
+    if hasattr(o, "dtype") and jnp.issubdtype(o.dtype, jnp.floating):
+      return jnp.asarray(n).astype(o.dtype)
+    return n
+  return jax.tree_util.tree_unflatten(
+      treedef, [cast(n, o) for n, o in zip(new_leaves, old_leaves)])
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  return jax.tree_util.tree_map(
+      lambda a, b: jnp.where(pred, a, b).astype(jnp.asarray(b).dtype),
+      on_true, on_false)
+
+
+def _metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
+  metrics = {"loss": loss, **jmp_amp.scaling_metrics(opt_state)}
+  if has_aux:
+    metrics["aux"] = aux
+  return metrics
+
+
+# --------------------------------------------------------------------------
+# NNX.
+
+
+def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
+                    has_aux: bool = False,
+                    autocast: AutocastSpec = None,
+                    wrt: Any = nnx.Param,
+                    revert_on_skip: Any = nnx.BatchStat,
+                    donate: bool = True,
+                    jit: bool = True) -> Callable[..., dict[str, jax.Array]]:
+  """Builds ``step(model, optimizer, batch) -> metrics`` for Flax NNX.
+
+  The model and `nnx.Optimizer` are updated in place (their buffers are
+  donated to the jitted step unless ``donate=False``). The optimizer's
+  transformation must contain `jmp_amp.loss_scaling`.
+
+  Example:
+    >>> def loss_fn(model, batch):
+    ...   logits = model(batch["image"]).astype(jnp.float32)
+    ...   return optax.softmax_cross_entropy_with_integer_labels(
+    ...       logits, batch["label"]).mean()
+    >>> step = make_train_step(loss_fn)
+    >>> metrics = step(model, optimizer, batch)
+
+  Args:
+    loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or
+      ``(loss, aux)`` with `has_aux`.
+    has_aux: whether `loss_fn` returns ``(loss, aux)``; aux goes to
+      ``metrics["aux"]``.
+    autocast: None; a policy string / `Policy` / floating dtype, to run
+      `loss_fn` under `jmp_amp.autocast` (op-level autocast, outputs kept
+      float32); or any callable ``fn -> fn`` applied to the pure function
+      ``(params, rest, batch) -> (loss, aux, rest)``.
+    wrt: filter of the variables to differentiate, as given to
+      `nnx.Optimizer`.
+    revert_on_skip: filter of the non-differentiated variables restored to
+      their previous values when the step is skipped (default BatchNorm
+      statistics; `nnx.Not(nnx.RngState)` for all but the RNG counters,
+      `nnx.Nothing` for none).
+    donate: donate the model's and optimizer's buffers.
+    jit: wrap the step in `nnx.jit`.
+
+  Returns:
+    The step function.
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+  hook = _autocast_hook(autocast)
+
+  def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
+    if not isinstance(optimizer, nnx.Optimizer):
+      raise TypeError("make_train_step's step takes (model, optimizer, batch) "
+                      f"with an nnx.Optimizer, got {type(optimizer).__name__}")
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    loss_scale = jmp_amp.get_loss_scale(opt_state)
+
+    def forward(params, rest, batch):
+      # copy: fresh Variables of this trace, which the forward pass may update.
+      m = nnx.merge(graphdef, params, rest, copy=True)
+      loss, aux = _split_loss(loss_fn(m, batch), has_aux)
+      return loss, aux, nnx.split(m, wrt, ...)[2]
+
+    fn = hook(forward) if hook is not None else forward
+
+    def scaled_loss(params):
+      loss, aux, new_rest = fn(params, rest, batch)
+      loss = jnp.asarray(loss, jnp.float32)
+      return loss_scale.scale(loss), (loss, aux, new_rest)
+
+    grads, (loss, aux, new_rest) = jax.grad(scaled_loss, has_aux=True)(params)
+    optimizer.update(model, grads)
+    metrics = _metrics(nnx.as_pure(optimizer.opt_state), loss, aux, has_aux)
+
+    new_rest = _like(new_rest, rest)
+    reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
+    reverted_old = nnx.filter_state(rest, revert_on_skip)
+    nnx.update(model, kept,
+               _select(metrics["grads_finite"], reverted_new, reverted_old))
+    return metrics
+
+  if not jit:
+    return step
+  return nnx.jit(step, donate_argnums=(0, 1) if donate else None)
+
+
+# --------------------------------------------------------------------------
+# linen.
+
+
+def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
+                          *,
+                          has_aux: bool = False,
+                          autocast: AutocastSpec = None,
+                          mutable: Sequence[str] = ("batch_stats",),
+                          revert_on_skip: bool = True,
+                          donate: bool = True,
+                          jit: bool = True) -> Callable[..., Any]:
+  """Builds ``step(state, batch) -> (state, metrics)`` for a linen TrainState.
+
+  `state` is a `flax.training.train_state.TrainState` (or subclass, e.g.
+  `jmp_amp.flax.TrainState` with ``batch_stats``) whose `tx` contains
+  `jmp_amp.loss_scaling`; make its ``apply_fn`` `policied_apply(module,
+  rules)` for per-module policies.
+
+  Example:
+    >>> def loss_fn(model, batch):
+    ...   logits = model(batch["image"], train=True).astype(jnp.float32)
+    ...   return optax.softmax_cross_entropy_with_integer_labels(
+    ...       logits, batch["label"]).mean()
+    >>> step = make_linen_train_step(loss_fn)
+    >>> state, metrics = step(state, batch)
+
+  Args:
+    loss_fn: ``loss_fn(model, batch)``, where ``model(*args, **kwargs)``
+      calls ``state.apply_fn`` with the current params and mutable
+      collections and returns the output.
+    has_aux: whether `loss_fn` returns ``(loss, aux)``.
+    autocast: as for `make_train_step`; the pure function transformed is
+      ``(params, collections, batch) -> (loss, aux, collections)``.
+    mutable: names of state fields holding mutable variable collections
+      (fields that are missing or None are skipped).
+    revert_on_skip: keep the previous collections on a skipped step.
+    donate: donate the state's buffers.
+    jit: wrap the step in `jax.jit`.
+
+  Returns:
+    The step function.
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+  if isinstance(mutable, str):
+    mutable = (mutable,)
+  hook = _autocast_hook(autocast)
+
+  def step(state: train_state.TrainState, batch: Any):
+    cols = {name: getattr(state, name) for name in mutable
+            if getattr(state, name, None) is not None}
+    loss_scale = jmp_amp.get_loss_scale(state.opt_state)
+
+    def forward(params, cols, batch):
+      box = dict(cols)
+
+      def model(*args, **kwargs):
+        variables = {"params": params, **box}
+        if not box:
+          return state.apply_fn(variables, *args, **kwargs)
+        out, updates = state.apply_fn(variables, *args, mutable=list(box),
+                                      **kwargs)
+        box.update(updates)
+        return out
+
+      loss, aux = _split_loss(loss_fn(model, batch), has_aux)
+      return loss, aux, box
+
+    fn = hook(forward) if hook is not None else forward
+
+    def scaled_loss(params):
+      loss, aux, new_cols = fn(params, cols, batch)
+      loss = jnp.asarray(loss, jnp.float32)
+      return loss_scale.scale(loss), (loss, aux, new_cols)
+
+    grads, (loss, aux, new_cols) = jax.grad(scaled_loss, has_aux=True)(
+        state.params)
+    state = state.apply_gradients(grads=grads)
+    metrics = _metrics(state.opt_state, loss, aux, has_aux)
+    new_cols = _like(dict(new_cols), cols)
+    if revert_on_skip:
+      new_cols = _select(metrics["grads_finite"], new_cols, cols)
+    return state.replace(**new_cols), metrics
+
+  if not jit:
+    return step
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
