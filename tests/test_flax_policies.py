@@ -1,0 +1,399 @@
+"""Tests for jmp_amp.flax per-module policies (rules, NNX, linen).
+
+Dtype checks read the lowered program (`jmp_amp.matmul_report`), so most
+tests trace and lower without compiling.
+"""
+
+import copy
+import pickle
+import subprocess
+import sys
+import warnings
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_amp
+import jmp_amp.flax as jf
+from jmp_amp.flax import rules as rules_lib
+from helpers import tree_bytes_equal
+import test_flax_models as tm
+
+F32 = np.dtype(np.float32)
+HALF = {"bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
+SHORT = {np.dtype(jnp.bfloat16): "bf16", np.dtype(np.float16): "f16",
+         F32: "f32"}
+
+NNX_MODELS = {
+    "mlp": (tm.MLP, lambda: tm.mlp_batch(4)[0]),
+    "resnet": (tm.ResNet, lambda: tm.image_batch(2)[0]),
+    "gpt": (tm.GPT, lambda: tm.token_batch(2)[0]),
+}
+
+
+def nnx_forward_backward(model, x):
+  """(pure fn, args): value_and_grad of sum(model(x)) w.r.t. the Params.
+
+  The aux output carries the model output and the updated non-param state
+  (BatchNorm statistics), so forward *and* backward ops stay in the program.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, rest, x):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    out = m(x)
+    return out.astype(jnp.float32).sum(), (out, nnx.split(m, nnx.Param,
+                                                          ...)[2])
+
+  return jax.value_and_grad(loss, has_aux=True), (params, rest, x)
+
+
+def param_dtypes(tree):
+  return {np.dtype(l.dtype) for l in jax.tree_util.tree_leaves(tree)}
+
+
+def matmul_inputs(report):
+  return {(r.lhs_dtype, r.rhs_dtype) for r in report}
+
+
+# --------------------------------------------------------------------------
+# Rules.
+
+
+def test_import_jmp_amp_does_not_import_flax():
+  code = ("import sys, jmp_amp; "
+          "assert not any(m == 'flax' or m.startswith('flax.') "
+          "for m in sys.modules), 'flax imported'")
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_mixed_rules_pins_norms_to_float32_and_defaults_to_compute():
+  rules = jf.mixed_rules("float16")
+  for cls in (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm,
+              nn.BatchNorm, nn.LayerNorm):
+    assert rules[cls] == jmp_amp.get_policy("float32")
+    assert cls in rules.optional
+  assert list(rules)[-1] == "*"
+  assert str(rules["*"]) == "p=f32,c=f16,o=f16"
+  assert str(jf.mixed_rules()["*"]) == "p=f32,c=bf16,o=bf16"
+  assert str(jf.mixed_rules("bf16", output="f32")["*"]) == "p=f32,c=bf16,o=f32"
+
+
+@pytest.mark.parametrize("pattern,path,match", [
+    ("head", "head", True),
+    ("head", "heads", False),
+    ("blocks/*/attn", "blocks/0/attn", True),
+    ("blocks/*/attn", "blocks/0/x/attn", False),
+    ("blocks/**", "blocks/0/x/attn", True),
+    ("**/attn", "attn", True),
+    ("**/attn", "blocks/1/attn", True),
+    ("blocks/[01]", "blocks/1", True),
+    ("blocks/[!01]", "blocks/2", True),
+    ("blocks/[!01]", "blocks/1", False),
+    ("layer_?", "layer_3", True),
+    ("", "", True),
+])
+def test_path_patterns_are_segment_globs(pattern, path, match):
+  assert bool(rules_lib.compile_pattern(pattern).match(path)) is match
+
+
+@pytest.mark.parametrize("rules,error,fragment", [
+    ({3: "float32"}, TypeError, "neither a module class"),
+    ({int: "float32"}, TypeError, "not a Flax module class"),
+    ({"head": 32}, ValueError, "'head'"),
+    ({"head": "p=f32,c=f8"}, ValueError, "f8"),
+    ({nnx.Linear: "fp17"}, ValueError, "nnx.Linear"),
+    ({"blocks/[0": "float32"}, ValueError, "unbalanced '['"),
+    ({"blocks/0]": "float32"}, ValueError, "unbalanced ']'"),
+    ({"blocks/[z-a]": "float32"}, ValueError, "Invalid path pattern"),
+    ({"/head": "float32"}, ValueError, "leading"),
+    (["float32"], TypeError, "mapping"),
+])
+def test_bad_rules_raise_clear_errors(rules, error, fragment):
+  with pytest.raises(error, match=None) as info:
+    jf.set_policies(tm.MLP(nnx.Rngs(0)), rules)
+  assert fragment in str(info.value)
+  # linen validates the same way, before running anything.
+  with pytest.raises(error):
+    jf.policied_apply(tm.LinenMLP(), rules)
+
+
+def test_unmatched_rule_warns_naming_it_and_strict_raises():
+  rules = {"encoder/*": "float32", nnx.Conv: "float32", "*": "mixed_bfloat16"}
+  with pytest.warns(UserWarning) as record:
+    jf.set_policies(tm.MLP(nnx.Rngs(0)), rules)
+  message = " ".join(str(w.message) for w in record)
+  assert "'encoder/*'" in message and "nnx.Conv" in message
+  with pytest.raises(ValueError, match="encoder"):
+    jf.set_policies(tm.MLP(nnx.Rngs(0)), rules, strict=True)
+
+
+def test_shadowed_rule_warns_and_optional_rules_stay_quiet():
+  with pytest.warns(UserWarning, match="decided by an earlier rule"):
+    jf.set_policies(tm.MLP(nnx.Rngs(0)),
+                    {nnx.Linear: "mixed_bfloat16", "head": "float32"})
+  # The MLP has no norms: mixed_rules' optional norm rules say nothing, also
+  # after extending the rule set with |.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    rules = jf.mixed_rules() | {"head": "float32"}
+    assert isinstance(rules, jf.PolicyRules) and nnx.LayerNorm in rules.optional
+    model = jf.set_policies(tm.MLP(nnx.Rngs(0)), rules)
+  assert str(jf.policy_of(model.head)) == "p=f32,c=f32,o=f32"
+
+
+# --------------------------------------------------------------------------
+# NNX.
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(NNX_MODELS))
+def test_nnx_default_mixed_rules(name, compute):
+  cls, make_input = NNX_MODELS[name]
+  half = HALF[compute]
+  model = jf.set_policies(cls(nnx.Rngs(0)), jf.mixed_rules(compute))
+
+  assert param_dtypes(nnx.state(model, nnx.Param)) == {F32}
+  fn, args = nnx_forward_backward(model, make_input())
+  report = jmp_amp.matmul_report(fn, *args)
+  # Every dot/conv, forward and backward, takes half operands; the forward
+  # ones (jmp_amp.dot_general) accumulate and return float32.
+  assert len(report) > 0 and report.all_inputs_in(SHORT[half]), str(report)
+  backward = [r for r in report if r.name and "transpose" in r.name]
+  assert len(backward) >= len(report) // 2
+  if name != "gpt":  # the GPT's einsums and tied head are plain jnp ops
+    forward = [r for r in report if r not in backward]
+    assert {r.result_dtype for r in forward} == {"f32"}
+
+  (_, (out, rest)), grads = jax.eval_shape(fn, *args)
+  assert out.dtype == half
+  assert param_dtypes(grads) == {F32}
+  stats = nnx.filter_state(rest, nnx.BatchStat)
+  assert param_dtypes(stats) <= {F32}
+  policies = jf.get_policies(model)
+  for path, module in nnx.iter_modules(model):
+    path = "/".join(map(str, path))
+    if isinstance(module, (nnx.LayerNorm, nnx.BatchNorm)):
+      assert policies[path] == jmp_amp.get_policy("float32"), path
+    else:
+      assert policies[path].compute_dtype == half, path
+
+
+@pytest.mark.parametrize("name", list(NNX_MODELS))
+def test_nnx_float32_policy_matches_unpoliced_bit_for_bit(name):
+  cls, make_input = NNX_MODELS[name]
+  x = make_input()
+  results = []
+  for rules in (None, "float32"):
+    model = cls(nnx.Rngs(0))
+    if rules:
+      jf.set_policies(model, rules)
+    fn, args = nnx_forward_backward(model, x)
+    results.append(jax.jit(fn)(*args))
+  assert tree_bytes_equal(results[0], results[1])
+
+
+def test_path_rule_before_class_rule_wins_and_pins_dots():
+  model = jf.set_policies(tm.MLP(nnx.Rngs(0)),
+                          {"head": "float32", nnx.Linear: "mixed_bfloat16"})
+  assert jf.policy_of(model.head) == jmp_amp.get_policy("float32")
+  assert jf.policy_of(model.l1).compute_dtype == HALF["bfloat16"]
+  # A batch of 3, so that only the head's dots have a dimension of CLASSES=4.
+  x = tm.mlp_batch(3)[0]
+  report = jmp_amp.matmul_report(*_flat(nnx_forward_backward(model, x)))
+  assert len(report) == 8  # 3 forward, 5 backward (no input gradient)
+  for r in report:
+    involves_head = tm.CLASSES in r.lhs_shape + r.rhs_shape
+    assert r.lhs_dtype == r.rhs_dtype == ("f32" if involves_head else "bf16"), r
+
+
+def _flat(fn_args):
+  fn, args = fn_args
+  return (fn, *args)
+
+
+def test_first_match_wins_and_star_is_the_default_wherever_it_is():
+  model = tm.GPT(nnx.Rngs(0))
+  with pytest.warns(UserWarning, match="decided by an earlier rule"):
+    jf.set_policies(model, {"*": "mixed_float16",
+                            nnx.Linear: "mixed_bfloat16",
+                            "blocks/0/fc": "float32"})
+  policies = {p: str(v) for p, v in jf.get_policies(model).items()}
+  assert policies["blocks/0/fc"] == "p=f32,c=bf16,o=bf16"  # class rule first
+  assert policies["blocks/0/ln1"] == "p=f32,c=f16,o=f16"   # "*" is last resort
+  assert policies[""] == "p=f32,c=f16,o=f16"
+
+
+def test_container_rules_are_inherited_unless_a_rule_matches():
+  model = tm.GPT(nnx.Rngs(0))
+  jf.set_policies(model, {"blocks/*/attn": "float32"} | jf.mixed_rules())
+  policies = jf.get_policies(model)
+  f32 = jmp_amp.get_policy("float32")
+  assert policies["blocks/1/attn"] == f32
+  assert policies["blocks/1/attn/qkv"] == f32  # inherited from attn
+  assert policies["blocks/1/fc"].compute_dtype == HALF["bfloat16"]
+  report = jmp_amp.matmul_report(
+      *_flat(nnx_forward_backward(model, tm.token_batch(2)[0])))
+  assert ("f32", "f32") in matmul_inputs(report)
+  assert ("bf16", "bf16") in matmul_inputs(report)
+  assert all(r.lhs_dtype == r.rhs_dtype for r in report), str(report)
+
+
+def test_none_leaves_a_module_untouched():
+  model = jf.set_policies(tm.MLP(nnx.Rngs(0)),
+                          {"head": None, "*": "mixed_bfloat16"})
+  assert jf.policy_of(model.head) is None and type(model.head) is nnx.Linear
+  assert model.head.dot_general is jax.lax.dot_general
+  # Unpoliced, the head promotes bf16 inputs to its float32 params.
+  assert model.head(jnp.ones((2, tm.HIDDEN), jnp.bfloat16)).dtype == F32
+  assert model.l2(jnp.ones((2, tm.HIDDEN))).dtype == HALF["bfloat16"]
+
+
+class ScaleModule(nnx.Module):
+  """A custom module with its own Param and no dtype knobs."""
+
+  def __init__(self, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (tm.IN, 5)))
+
+  def __call__(self, x):
+    return jnp.tanh(x @ self.w[...])
+
+
+def test_custom_module_casts_at_its_boundary_and_reads_params_in_compute():
+  model = jf.set_policies(ScaleModule(nnx.Rngs(0)), "p=f32,c=f16,o=f32")
+  x = tm.mlp_batch(4)[0]
+  fn, args = nnx_forward_backward(model, x)
+  report = jmp_amp.matmul_report(fn, *args)
+  assert len(report) == 2 and report.all_inputs_in("f16"), str(report)
+  (_, (out, _)), grads = jax.eval_shape(fn, *args)
+  assert out.dtype == F32 and param_dtypes(grads) == {F32}
+  assert model(x).dtype == F32
+  assert model.w[...].dtype == F32  # the stored param is restored
+
+
+def test_params_are_stored_in_the_policy_param_dtype():
+  model = jf.set_policies(tm.MLP(nnx.Rngs(0)), {"head": "bfloat16",
+                                                "*": "mixed_float16"})
+  assert model.head.kernel[...].dtype == HALF["bfloat16"]
+  assert model.l1.kernel[...].dtype == F32
+
+
+def test_nnx_graph_operations_keep_policies():
+  model = jf.set_policies(tm.MLP(nnx.Rngs(0)), jf.mixed_rules())
+  x = tm.mlp_batch(3)[0]
+  expected = model(x)
+  graphdef, state = nnx.split(model)
+  copies = [nnx.merge(graphdef, state), nnx.clone(model), copy.deepcopy(model),
+            pickle.loads(pickle.dumps(model))]
+  for other in copies:
+    assert isinstance(other.head, nnx.Linear)
+    assert jf.policy_of(other.head) == jf.policy_of(model.head)
+    np.testing.assert_array_equal(other(x), expected)
+  out = nnx.jit(lambda m, x: m(x))(model, x)
+  assert out.dtype == HALF["bfloat16"]
+  np.testing.assert_array_equal(out, expected)
+
+
+def test_set_policies_again_replaces_and_clear_restores():
+  model = tm.MLP(nnx.Rngs(0))
+  x = tm.mlp_batch(3)[0]
+  reference = model(x)
+  jf.set_policies(model, "mixed_float16")
+  assert model(x).dtype == HALF["float16"]
+  jf.set_policies(model, {"head": "float32"})  # the rest: no rule any more
+  assert jf.policy_of(model.l1) is None and type(model.l1) is nnx.Linear
+  assert model.l1.dot_general is jax.lax.dot_general
+  jf.clear_policies(model)
+  assert all(p is None for p in jf.get_policies(model).values())
+  assert type(model.head) is nnx.Linear
+  np.testing.assert_array_equal(model(x), reference)
+
+
+# --------------------------------------------------------------------------
+# linen.
+
+
+def linen_forward_backward(module, rules, variables, x):
+  def loss(params, x):
+    out, updates = jf.apply_with_policies(
+        module, rules, {**variables, "params": params}, x,
+        mutable=[k for k in variables if k != "params"])
+    return out.astype(jnp.float32).sum(), (out, updates)
+  return jax.value_and_grad(loss, has_aux=True), (variables["params"], x)
+
+
+LINEN_MODELS = {
+    "mlp": (tm.LinenMLP, lambda: tm.mlp_batch(4)[0]),
+    "resnet": (tm.LinenResNet, lambda: tm.image_batch(2)[0]),
+}
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(LINEN_MODELS))
+def test_linen_default_mixed_rules(name, compute):
+  cls, make_input = LINEN_MODELS[name]
+  half, x, rules = HALF[compute], make_input(), jf.mixed_rules(compute)
+  variables = jf.init_with_policies(cls(), rules, jax.random.key(0), x)
+  assert param_dtypes(variables) == {F32}  # params and batch_stats
+
+  fn, args = linen_forward_backward(cls(), rules, variables, x)
+  report = jmp_amp.matmul_report(fn, *args)
+  assert len(report) > 0 and report.all_inputs_in(SHORT[half]), str(report)
+  forward = [r for r in report if "transpose" not in (r.name or "")]
+  assert forward and {r.result_dtype for r in forward} == {"f32"}
+  (_, (out, updates)), grads = jax.eval_shape(fn, *args)
+  assert out.dtype == half
+  assert param_dtypes(grads) == {F32}
+  assert param_dtypes(updates) <= {F32}
+
+
+@pytest.mark.parametrize("name", list(LINEN_MODELS))
+def test_linen_float32_policy_matches_unpoliced_bit_for_bit(name):
+  cls, make_input = LINEN_MODELS[name]
+  x = make_input()
+  variables = cls().init(jax.random.key(0), x)
+  mutable = [k for k in variables if k != "params"]
+  plain = jax.jit(lambda v, x: cls().apply(v, x, mutable=mutable))(variables, x)
+  policied = jax.jit(lambda v, x: jf.apply_with_policies(
+      cls(), "float32", v, x, mutable=mutable))(variables, x)
+  assert tree_bytes_equal(plain, policied)
+
+
+def test_linen_path_rules_inheritance_and_warnings():
+  x = tm.image_batch(2)[0]
+  module = tm.LinenResNet()
+  rules = {"blocks_1": "float32"} | jf.mixed_rules()
+  variables = jf.init_with_policies(module, rules, jax.random.key(0), x)
+  fn, args = linen_forward_backward(module, rules, variables, x)
+  report = jmp_amp.matmul_report(fn, *args)
+  by_scope = {}
+  for r in report:
+    scope = "blocks_1" if "blocks_1" in (r.name or "") else "other"
+    by_scope.setdefault(scope, set()).add((r.lhs_dtype, r.rhs_dtype))
+  assert by_scope == {"blocks_1": {("f32", "f32")},
+                      "other": {("bf16", "bf16")}}, str(report)
+  with pytest.warns(UserWarning, match="'decoder'"):
+    jf.apply_with_policies(module, {"decoder": "float32"}, variables, x,
+                           mutable=["batch_stats"])
+
+
+def test_linen_and_nnx_mlp_give_the_same_loss_under_a_policy():
+  nnx_model = tm.MLP(nnx.Rngs(0))
+  params = tm.nnx_mlp_params_as_linen(nnx_model)
+  x, y = tm.mlp_batch(16)
+  rules = {"head": "p=f32,c=bf16,o=f32"} | jf.mixed_rules()
+
+  def loss(logits):
+    return -jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[
+        jnp.arange(len(y)), y])
+
+  jf.set_policies(nnx_model, rules)
+  nnx_loss = loss(nnx_model(x))
+  linen_loss = loss(jf.apply_with_policies(tm.LinenMLP(), rules,
+                                           {"params": params}, x))
+  assert nnx_loss.dtype == linen_loss.dtype == F32
+  np.testing.assert_array_equal(nnx_loss, linen_loss)
