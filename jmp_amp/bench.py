@@ -413,8 +413,10 @@ def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
 def print_table(runs: list[dict[str, Any]], env: dict[str, Any], cfg: Config,
                 file=None) -> None:
   file = file or sys.stdout
-  title = (f"{cfg.model} width={cfg.width} layers={cfg.layers} "
-           f"batch={cfg.batch_size} steps={cfg.steps} on {env['device']}")
+  sizes = (f"width={cfg.width} layers={cfg.layers} " if cfg.model == "mlp"
+           else "")
+  title = (f"{cfg.model} {sizes}batch={cfg.batch_size} steps={cfg.steps} "
+           f"on {env['device']}")
   note = "* peak memory from the compiled program's memory analysis"
   rows = table_rows(runs)
   try:
