@@ -1,0 +1,254 @@
+"""Tests for jmp_amp.flax.train: mixed-precision train steps, NNX and linen."""
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_amp
+import jmp_amp.flax as jf
+from helpers import tree_bytes_equal
+import test_flax_models as tm
+
+F32 = np.dtype(np.float32)
+
+
+def xent(logits, labels):
+  logits = logits.astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+TRACES = []  # one entry per trace of nnx_loss
+
+
+def nnx_loss(model, batch):
+  TRACES.append(type(model).__name__)
+  x, y = batch
+  return xent(model(x), y)
+
+
+def linen_loss(model, batch):
+  x, y = batch
+  return xent(model(x), y)
+
+
+def scaled_adam(lr=1e-2, scale=2.0 ** 15):
+  loss_scale = (jmp_amp.NoOpLossScale() if scale is None
+                else jmp_amp.DynamicLossScale(scale))
+  return jmp_amp.loss_scaling(optax.adam(lr), loss_scale)
+
+
+# Shared by the tests, so that nnx.jit's cache serves equal models (the
+# optimizer's transformation is part of its static graph definition).
+NNX_STEP = jf.make_train_step(nnx_loss)
+TX_F16 = scaled_adam()
+TX_BF16 = scaled_adam(scale=None)
+
+
+def leaves_dtypes(tree):
+  return {np.dtype(x.dtype) for x in jax.tree_util.tree_leaves(tree)}
+
+
+def host(tree):
+  # Copies: a zero-copy view of a CPU buffer would keep it from being donated.
+  return jax.tree_util.tree_map(lambda x: np.array(x, copy=True), tree)
+
+
+# One block each: the train steps compile, and compile time is most of it.
+NNX_CASES = {
+    "mlp": (tm.MLP, tm.mlp_batch),
+    "resnet": (lambda rngs: tm.ResNet(rngs, depth=1), tm.image_batch),
+    "gpt": (lambda rngs: tm.GPT(rngs, depth=1), tm.token_batch),
+}
+
+
+@pytest.mark.parametrize("name,compute", [
+    ("mlp", "bfloat16"), ("mlp", "float16"), ("resnet", "float16"),
+    ("gpt", "float16")])
+def test_nnx_models_train_under_mixed_precision(name, compute):
+  cls, make_batch = NNX_CASES[name]
+  model = jf.set_policies(cls(nnx.Rngs(0)), jf.mixed_rules(compute))
+  optimizer = nnx.Optimizer(
+      model, TX_BF16 if compute == "bfloat16" else TX_F16, wrt=nnx.Param)
+  step = NNX_STEP
+  batch = make_batch()
+  losses, traces = [], len(TRACES)
+  for _ in range(8):
+    param = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))[0]
+    metrics = step(model, optimizer, batch)
+    assert param.is_deleted()  # the model and optimizer are donated
+    losses.append(float(metrics["loss"]))
+  assert len(TRACES) - traces <= 1  # traced (and compiled) at most once
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0], losses
+  assert metrics["loss"].dtype == F32
+  assert bool(metrics["grads_finite"]) and int(metrics["skipped_steps"]) == 0
+  assert int(metrics["steps"]) == 8
+  assert leaves_dtypes(nnx.state(model, nnx.Param)) == {F32}
+  assert leaves_dtypes(nnx.state(model, nnx.BatchStat)) <= {F32}
+  # The scale lives on inside nnx.Optimizer's Variable-wrapped state.
+  scaling = jmp_amp.get_scaling_state(nnx.as_pure(optimizer.opt_state))
+  assert isinstance(scaling, jmp_amp.LossScalingState)
+  assert float(metrics["loss_scale"]) == float(scaling.loss_scale.loss_scale)
+
+
+def test_nnx_skipped_step_changes_nothing_but_the_scale():
+  model = jf.set_policies(tm.ResNet(nnx.Rngs(0), depth=1),
+                          jf.mixed_rules("float16"))
+  optimizer = nnx.Optimizer(model, TX_F16, wrt=nnx.Param)
+  step = NNX_STEP
+  x, y = tm.image_batch()
+  step(model, optimizer, (x, y))
+  before = host((nnx.state(model), nnx.state(optimizer)))
+
+  # An inf input overflows the forward pass: the gradients and the batch
+  # statistics of this step are NaN.
+  metrics = step(model, optimizer, (x.at[0, 0, 0, 0].set(jnp.inf), y))
+  assert not bool(metrics["grads_finite"])
+  assert int(metrics["skipped_steps"]) == 1 and int(metrics["steps"]) == 2
+  assert float(metrics["loss_scale"]) == 2.0 ** 14
+  after_model = host(nnx.state(model))
+  assert tree_bytes_equal(after_model, before[0])  # params AND batch stats
+  inner = lambda s: nnx.as_pure(s)["opt_state"].inner_state
+  assert tree_bytes_equal(inner(host(nnx.state(optimizer))),
+                          inner(before[1]))
+
+  metrics = step(model, optimizer, (x, y))
+  assert bool(metrics["grads_finite"])
+  stats = nnx.state(model, nnx.BatchStat)
+  assert all(np.isfinite(s).all() for s in jax.tree_util.tree_leaves(stats))
+
+
+def test_nnx_autocast_instead_of_module_policies():
+  x, y = tm.mlp_batch()
+  model = tm.MLP(nnx.Rngs(0))  # no set_policies: op-level autocast
+  optimizer = nnx.Optimizer(model, scaled_adam(), wrt=nnx.Param)
+  step = jf.make_train_step(nnx_loss, autocast="float16", jit=False)
+  report = jmp_amp.matmul_report(nnx.jit(step), model, optimizer, (x, y))
+  assert len(report) >= 8 and report.all_inputs_in("f16"), str(report)
+  step = nnx.jit(step, donate_argnums=(0, 1))
+  first = float(step(model, optimizer, (x, y))["loss"])
+  for _ in range(5):
+    metrics = step(model, optimizer, (x, y))
+  assert float(metrics["loss"]) < first
+  assert leaves_dtypes(nnx.state(model, nnx.Param)) == {F32}
+
+
+def test_nnx_autocast_callable_hook_and_aux():
+  calls = []
+
+  def hook(fn):  # any fn -> fn transformation of the pure loss function
+    calls.append(fn)
+    return fn
+
+  def loss_fn(model, batch):
+    logits = model(batch[0])
+    return xent(logits, batch[1]), {"logits_half": jnp.array(
+        logits.dtype == jnp.bfloat16)}
+
+  model = jf.set_policies(tm.MLP(nnx.Rngs(0)), "mixed_bfloat16")
+  optimizer = nnx.Optimizer(model, TX_BF16, wrt=nnx.Param)
+  step = jf.make_train_step(loss_fn, has_aux=True, autocast=hook)
+  metrics = step(model, optimizer, tm.mlp_batch())
+  assert len(calls) == 1
+  assert bool(metrics["aux"]["logits_half"])
+  assert set(metrics) == {"loss", "loss_scale", "grads_finite",
+                          "skipped_steps", "steps", "aux"}
+
+
+def test_nnx_step_errors():
+  model = tm.MLP(nnx.Rngs(0))
+  step = jf.make_train_step(nnx_loss, jit=False)
+  with pytest.raises(ValueError, match="loss_scaling"):
+    step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+         tm.mlp_batch(4))
+  with pytest.raises(TypeError, match="nnx.Optimizer"):
+    step(model, scaled_adam(), tm.mlp_batch(4))
+  with pytest.raises(TypeError, match="autocast"):
+    jf.make_train_step(nnx_loss, autocast=42)
+  bad = jf.make_train_step(lambda m, b: m(b[0]))  # fails while tracing
+  with pytest.raises(TypeError, match="scalar"):
+    bad(model, nnx.Optimizer(model, scaled_adam(), wrt=nnx.Param),
+        tm.mlp_batch(4))
+
+
+# --------------------------------------------------------------------------
+# linen.
+
+
+def test_linen_mlp_trains_like_the_nnx_mlp():
+  rules = jf.mixed_rules("float16")  # as the NNX MLP case above: cache hit
+  batch = tm.mlp_batch()
+  nnx_model = tm.MLP(nnx.Rngs(0))
+  # Copies: the linen step donates its state's buffers.
+  params = jax.tree_util.tree_map(jnp.copy,
+                                  tm.nnx_mlp_params_as_linen(nnx_model))
+  jf.set_policies(nnx_model, rules)
+  optimizer = nnx.Optimizer(nnx_model, TX_F16, wrt=nnx.Param)
+  nnx_step = NNX_STEP
+
+  state = jf.TrainState.create(
+      apply_fn=jf.policied_apply(tm.LinenMLP(), rules), params=params,
+      tx=scaled_adam())
+  linen_step = jf.make_linen_train_step(linen_loss)
+
+  nnx_losses, linen_losses = [], []
+  for _ in range(8):
+    nnx_losses.append(float(nnx_step(nnx_model, optimizer, batch)["loss"]))
+    state, metrics = linen_step(state, batch)
+    linen_losses.append(float(metrics["loss"]))
+  assert nnx_losses[0] == linen_losses[0]  # same weights, same policy
+  np.testing.assert_allclose(linen_losses, nnx_losses, rtol=2e-3)
+  assert linen_losses[-1] < 0.9 * linen_losses[0]
+  assert leaves_dtypes(state.params) == {F32}
+  assert int(metrics["steps"]) == 8 and int(metrics["skipped_steps"]) == 0
+
+
+def test_linen_resnet_trains_and_skipped_steps_keep_batch_stats():
+  rules = jf.mixed_rules("float16")
+  module = tm.LinenResNet(depth=1)
+  x, y = tm.image_batch()
+  variables = jf.init_with_policies(module, rules, jax.random.key(0), x)
+  initial_stats = host(variables["batch_stats"])
+  state = jf.TrainState.create(
+      apply_fn=jf.policied_apply(module, rules), params=variables["params"],
+      tx=scaled_adam(), batch_stats=variables["batch_stats"])
+  step = jf.make_linen_train_step(linen_loss)
+
+  losses = []
+  for _ in range(8):
+    old_stats = state.batch_stats
+    state, metrics = step(state, (x, y))
+    losses.append(float(metrics["loss"]))
+    assert old_stats["bn"]["mean"].is_deleted()  # donated
+  assert losses[-1] < 0.9 * losses[0], losses
+  assert leaves_dtypes(state.params) == leaves_dtypes(state.batch_stats) == {
+      F32}
+  assert not tree_bytes_equal(host(state.batch_stats), initial_stats)
+
+  before = host((state.params, state.batch_stats))
+  state, metrics = step(state, (x.at[0, 0, 0, 0].set(jnp.nan), y))
+  assert not bool(metrics["grads_finite"])
+  assert int(metrics["skipped_steps"]) == 1
+  assert float(metrics["loss_scale"]) == 2.0 ** 14
+  assert tree_bytes_equal(host((state.params, state.batch_stats)), before)
+
+
+def test_linen_step_without_mutable_collections_and_with_autocast():
+  module = tm.LinenMLP()
+  x, y = tm.mlp_batch()
+  params = module.init(jax.random.key(0), x)["params"]
+  state = jf.TrainState.create(apply_fn=module.apply, params=params,
+                               tx=scaled_adam())
+  step = jf.make_linen_train_step(linen_loss, autocast="bfloat16",
+                                  donate=False)
+  report = jmp_amp.matmul_report(step, state, (x, y))
+  assert len(report) >= 8 and report.all_inputs_in("bf16"), str(report)
+  first = None
+  for _ in range(5):
+    state, metrics = step(state, (x, y))
+    first = first or float(metrics["loss"])
+  assert float(metrics["loss"]) < first
+  assert state.batch_stats is None
