@@ -27,14 +27,27 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 _DIMS = (((1,), (0,)), ((), ()))
 
 
-def init_mlp(key: jax.Array, sizes=SIZES) -> dict[str, Any]:
+def init_mlp(seed: int, sizes=SIZES) -> dict[str, Any]:
+  """LeCun-normal float32 params, drawn by NumPy.
+
+  NumPy, not jax.random: every eager jax.random call compiles a program,
+  which costs seconds on a busy CPU.
+  """
+  rng = np.random.default_rng(seed)
   params = {}
   for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-    key, sub = jax.random.split(key)
-    params[f"dense{i}"] = {
-        "w": jax.random.normal(sub, (fan_in, fan_out)) / np.sqrt(fan_in),
-        "b": jnp.zeros((fan_out,))}
+    w = rng.normal(0.0, fan_in ** -0.5, (fan_in, fan_out))
+    params[f"dense{i}"] = {"w": jnp.asarray(w, jnp.float32),
+                           "b": jnp.zeros((fan_out,), jnp.float32)}
   return params
+
+
+def numpy_init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+  """A Flax kernel initialiser (LeCun normal) that compiles nothing."""
+  seed = np.asarray(jax.random.key_data(key)).astype(np.uint64)
+  fan_in = int(np.prod(shape[:-1])) or 1
+  return jnp.asarray(np.random.default_rng(seed).normal(
+      0.0, fan_in ** -0.5, shape), dtype)
 
 
 def mlp(params, x, policy=F16, *, step=None, act_faults=None, fault_key=None):
@@ -62,14 +75,14 @@ def loss_fn(params, batch, policy=F16, **fault_kwargs):
   return jnp.mean((pred - y) ** 2)
 
 
-def make_batches(key: jax.Array, num: int, batch_size: int = 16,
+def make_batches(seed: int, num: int, batch_size: int = 16,
                  sizes=SIZES) -> tuple[jax.Array, jax.Array]:
-  """`num` regression batches from a fixed random teacher."""
-  k_teacher, k_x = jax.random.split(key)
-  teacher = jax.random.normal(k_teacher, (sizes[0], sizes[-1]))
-  x = jax.random.normal(k_x, (num, batch_size, sizes[0]))
-  y = jnp.sin(x @ teacher)
-  return x, y
+  """`num` regression batches ``(x, sin(x @ teacher))``, stacked."""
+  rng = np.random.default_rng(seed)
+  teacher = rng.normal(size=(sizes[0], sizes[-1]))
+  x = rng.normal(size=(num, batch_size, sizes[0]))
+  y = np.sin(x @ teacher)
+  return jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
 
 
 def make_optimizer(init_scale: float = 2.0**15, period: int = 20,
@@ -79,8 +92,8 @@ def make_optimizer(init_scale: float = 2.0**15, period: int = 20,
       jmp_amp.DynamicLossScale(init_scale, period=period, **scale_kwargs))
 
 
-def init_state(key: jax.Array, opt) -> dict[str, Any]:
-  params = init_mlp(key)
+def init_state(seed: int, opt) -> dict[str, Any]:
+  params = init_mlp(seed)
   return {"params": params, "opt_state": opt.init(params)}
 
 

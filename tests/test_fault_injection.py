@@ -38,8 +38,8 @@ def long_run():
   clean = np.setdiff1d(np.arange(NUM_STEPS), faults).astype(np.int32)
 
   opt = rh.make_optimizer(init_scale=2.0**15, period=PERIOD)
-  state = rh.init_state(jax.random.key(0), opt)
-  xs, ys = rh.make_batches(jax.random.key(2), NUM_STEPS)
+  state = rh.init_state(0, opt)
+  xs, ys = rh.make_batches(2, NUM_STEPS)
   run = rh.make_scan_run(rh.make_train_step(opt, rh.BF16,
                                             fault_key=jax.random.key(3)))
   all_steps = jnp.arange(NUM_STEPS, dtype=jnp.int32)
@@ -107,8 +107,8 @@ def test_natural_fp16_overflow_backs_off_recovers_and_trains():
   # has come down from 2**40; then it trains and probes upwards again.
   steps = 300
   opt = rh.make_optimizer(init_scale=2.0**40, period=20)
-  state = rh.init_state(jax.random.key(0), opt)
-  xs, ys = rh.make_batches(jax.random.key(2), steps)
+  state = rh.init_state(0, opt)
+  xs, ys = rh.make_batches(2, steps)
   run = rh.make_scan_run(rh.make_train_step(opt, rh.F16))
   state, ok, metrics = run(state, xs, ys, jnp.arange(steps, dtype=jnp.int32),
                            jnp.ones(steps, bool))
