@@ -1,0 +1,95 @@
+"""Loss scaling under SPMD sharding (8 simulated CPU devices, in a subprocess).
+
+`sharded_check.py` runs in its own process because the simulated device count
+must be set before JAX initialises; this file asserts on the JSON it prints.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "sharded_check.py")
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the script sets its own device count
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, SCRIPT], capture_output=True,
+                        text=True, env=env, timeout=300,
+                        cwd=os.path.dirname(SCRIPT))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_runs_on_eight_devices(results):
+  assert results["devices"] == 8
+  assert "all-reduce" in results["dp_collectives"]
+  assert results["fsdp_collectives"]  # gathers/reductions across devices
+
+
+def test_data_parallel_matches_single_device(results):
+  assert results["dp_max_diff"] <= TOLERANCE
+  assert results["dp_state_max_diff"] <= TOLERANCE
+
+
+def test_fsdp_matches_single_device_and_stays_sharded(results):
+  assert results["fsdp_max_diff"] <= TOLERANCE
+  assert results["fsdp_state_max_diff"] <= TOLERANCE
+  assert results["fsdp_params_sharded"]
+  assert results["fsdp_opt_state_sharded"]
+
+
+def test_loss_scale_is_replicated_and_identical(results):
+  assert results["loss_scale_replicated"]
+  assert results["loss_scale_grew"]
+
+
+def test_nan_in_one_gradient_shard_skips_everywhere(results):
+  assert len(results["nan_shard_devices"]) == 1  # the NaN lived on one device
+  assert results["nan_shard_skipped"]
+  assert results["nan_shard_params_unchanged"]
+  assert results["nan_shard_inner_state_unchanged"]
+  assert results["nan_shard_scale_halved"]
+  assert results["nan_shard_scale_replicated"]
+
+
+def test_nan_in_one_batch_shard_skips_everywhere(results):
+  assert results["nan_batch_skipped"]
+  assert results["nan_batch_params_unchanged"]
+  assert results["nan_batch_scale_replicated"]
+
+
+def test_skips_do_not_recompile(results):
+  assert results["fsdp_compiles"] == 1
+  assert results["compiles_after_skips"] == [1, 1]
+
+
+def test_shard_map_axis_name_reduces_the_finite_flag(results):
+  assert results["shard_map_axis_all_skip"]
+  assert results["shard_map_axis_params_unchanged"]
+  assert results["shard_map_axis_scales"] == [512.0] * 8
+
+
+def test_shard_map_without_axis_name_diverges(results):
+  # What axis_name prevents: only the device with the inf skips, so the
+  # replicas' params and loss scales drift apart.
+  expected = [True] * 8
+  expected[3] = False
+  assert results["shard_map_no_axis_finite"] == expected
+  assert results["shard_map_no_axis_rows_changed"] == expected
+  assert results["shard_map_no_axis_scales"] == [
+      512.0 if i == 3 else 1024.0 for i in range(8)]
+
+
+def test_sharded_checkpoint_round_trip(results):
+  assert results["ckpt_sharded_equal"]
+  assert results["ckpt_sharded_keeps_shardings"]
+  assert results["ckpt_resharded_equal"]
+  assert results["ckpt_resharded_replicated"]
