@@ -419,3 +419,163 @@ def test_errors():
     jmp_amp.autocast(jnp.sin, jnp.int32)
   with pytest.raises(TypeError, match="AutocastRules"):
     jmp_amp.autocast(jnp.sin, jnp.bfloat16, rules={"half": {"exp"}})
+
+
+# ---- Reference models (models/, used unmodified). ---------------------------
+
+
+def _models():
+  import os
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  import models  # pylint: disable=g-import-not-at-top
+  return models
+
+
+def _build(make_model):
+  """The model `make_model()` builds, with numpy-initialised weights.
+
+  Running the Flax initialisers compiles one XLA program per parameter shape
+  (tens of seconds on a loaded CPU); the abstract model plus numpy weights
+  (normal / sqrt(fan_in); norm scales and variances one; biases and means
+  zero) is instant and just as good for dtype and gradient checks.
+  """
+  from flax import nnx
+  graphdef, state = nnx.split(nnx.eval_shape(make_model))
+  rng = np.random.default_rng(0)
+
+  def init(path, leaf):
+    name = str(path[-1])
+    if name in ("scale", "var"):
+      return np.ones(leaf.shape, leaf.dtype)
+    if name in ("bias", "mean") or leaf.ndim < 2:
+      return np.zeros(leaf.shape, leaf.dtype)
+    fan_in = int(np.prod(leaf.shape[:-1]))
+    return (rng.standard_normal(leaf.shape) / np.sqrt(fan_in)).astype(leaf.dtype)
+
+  state = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.asarray(init(path, x)), state)
+  return nnx.merge(graphdef, state)
+
+
+def _rel_err(a, b):
+  """Per-leaf relative L2 error of `a` against the reference `b`."""
+  return jax.tree.map(
+      lambda x, y: float(jnp.linalg.norm((x - y).ravel().astype(F32))
+                         / (jnp.linalg.norm(y.ravel().astype(F32)) + 1e-12)),
+      a, b)
+
+
+def _assert_rel_close(a, b, tol):
+  errs = jax.tree.leaves(_rel_err(a, b))
+  assert max(errs) < tol, _rel_err(a, b)
+
+
+FRAGILE_MODEL = ("exp", "log", "reduce_sum", "reduce_max", "rsqrt")
+
+# The model tests compare whole programs, not codegen: compile them quickly.
+_fast_jit = functools.partial(jax.jit, compiler_options={
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True})
+
+
+def test_gpt():
+  from flax import nnx
+  models = _models()
+  model = _build(lambda: models.GPT(vocab_size=32, d_model=16, num_heads=2,
+                                    num_layers=1, max_len=8, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model)
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
+
+  def loss_fn(params, tokens):
+    return models.lm_loss(nnx.merge(graphdef, params)(tokens), tokens)
+
+  amp_loss = jmp_amp.autocast(loss_fn, MIXED_BF16)
+  grad_fn = jax.value_and_grad(amp_loss)
+  for jaxpr in (jax.make_jaxpr(amp_loss)(params, tokens),
+                jax.make_jaxpr(grad_fn)(params, tokens)):
+    assert_amp_jaxpr(jaxpr, fragile=FRAGILE_MODEL)
+  report = jmp_amp.matmul_report(grad_fn, params, tokens)
+  # qkv, q.k, w.v, out, fc, proj and the tied head, forward and both
+  # gradients (no gradient for the tokens' one-hot-free embedding lookup).
+  assert len(report) >= 3 * 7 - 1, report
+  assert report.all_inputs_in("bf16"), report
+
+  run_both = _fast_jit(lambda *a: (grad_fn(*a), jax.value_and_grad(loss_fn)(*a)))
+  (loss, grads), (loss32, grads32) = run_both(params, tokens)
+  assert loss.dtype == F32
+  chex.assert_trees_all_equal_dtypes(grads, params)
+  chex.assert_trees_all_close(loss, loss32, rtol=1e-2)
+  _assert_rel_close(grads, grads32, 5e-2)
+
+
+def test_resnet_train_step_with_batch_norm():
+  from flax import nnx
+  models = _models()
+  kw = dict(stage_sizes=(1,), base_width=8, num_classes=4)
+  model = _build(lambda: models.ResNet(**kw, rngs=nnx.Rngs(0)))
+  graphdef, params, stats = nnx.split(model, nnx.Param, ...)
+  # Flax's own half-precision mode (dtype=float16, float32 params) on the
+  # same weights: the accuracy autocast should match.
+  graphdef16 = nnx.graphdef(nnx.eval_shape(
+      lambda: models.ResNet(**kw, dtype=jnp.float16, rngs=nnx.Rngs(0))))
+  images = jax.random.normal(jax.random.key(1), (8, 8, 8, 3))
+  labels = jnp.arange(8) % 4
+
+  def make_loss(graphdef):
+    def loss_fn(params, stats, images, labels):
+      m = nnx.merge(graphdef, params, stats, copy=True)
+      loss = models.cross_entropy_loss(m(images, train=True), labels)
+      return loss, nnx.state(m, nnx.BatchStat)
+    return loss_fn
+
+  loss_fn = make_loss(graphdef)
+  amp_loss = jmp_amp.autocast(loss_fn, "p=f32,c=f16,o=f32")
+  grad = lambda f: jax.value_and_grad(f, has_aux=True)
+  jaxpr = jax.make_jaxpr(grad(amp_loss))(params, stats, images, labels)
+  assert_amp_jaxpr(jaxpr, half=F16, fragile=FRAGILE_MODEL)
+  # stem + 2 block convs, forward and two gradients each.
+  assert len(dtypes_of(jaxpr, "conv_general_dilated")) >= 3 * 3
+
+  run_all = _fast_jit(lambda *a: [grad(f)(*a) for f in (
+      amp_loss, loss_fn, make_loss(graphdef16))])
+  ((loss, new_stats), grads), ((loss32, stats32), grads32), (_, grads16) = (
+      run_all(params, stats, images, labels))
+  # Running statistics stay float32 (the policy's output dtype) and match.
+  chex.assert_trees_all_equal_dtypes(new_stats, stats32)
+  chex.assert_trees_all_close(new_stats, stats32, rtol=1e-2, atol=1e-3)
+  chex.assert_trees_all_close(loss, loss32, rtol=1e-3)
+  chex.assert_trees_all_equal_dtypes(grads, params)
+  # Small-batch BatchNorm gradients amplify float16 rounding (up to ~9%
+  # relative error at the stem here), for Flax's float16 mode just the same.
+  for err, ref in zip(jax.tree.leaves(_rel_err(grads, grads32)),
+                      jax.tree.leaves(_rel_err(grads16, grads32))):
+    assert err <= 1.25 * ref + 2e-3, (err, ref)
+
+
+def test_mlp_nnx_and_linen():
+  from flax import nnx
+  models = _models()
+  model = _build(lambda: models.MLP(16, 8, num_layers=3, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model)
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  y = jax.random.normal(jax.random.key(2), (4, 8))
+
+  def loss_fn(params, x, y):
+    return models.mse_loss(nnx.merge(graphdef, params)(x), y)
+
+  grad_fn = jax.grad(jmp_amp.autocast(loss_fn, MIXED_BF16))
+  assert_amp_jaxpr(jax.make_jaxpr(grad_fn)(params, x, y), fragile=())
+  linen = models.LinenMLP(16, 8, num_layers=3)
+  variables = models.linen_params_from_nnx(model)
+  apply = jmp_amp.autocast(linen.apply, "mixed_bfloat16")
+  assert_amp_jaxpr(jax.make_jaxpr(apply)(variables, x), fragile=())
+
+  grads, grads32, out, out32 = _fast_jit(lambda: (
+      grad_fn(params, x, y), jax.grad(loss_fn)(params, x, y),
+      apply(variables, x), linen.apply(variables, x)))()
+  _assert_rel_close(grads, grads32, 3e-2)
+  assert out.dtype == BF16
+  chex.assert_trees_all_close(out.astype(F32), out32, rtol=5e-2, atol=5e-2)
