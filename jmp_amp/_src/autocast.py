@@ -10,6 +10,8 @@ from `AutocastRules`:
   `jmp_amp.dot_general` / `jmp_amp.conv_general_dilated`, which accumulate in
   float32 and keep the backward dots in half precision; the float32 result is
   then cast to the compute dtype, as torch's autocast returns half matmuls.
+  A matmul whose operands were already half when traced runs as written
+  (keeping its preferred_element_type): that makes autocast idempotent.
 * float32 list (exp, log, reductions, cumulative sums, rsqrt, pow, erf, ...):
   floating inputs are cast to float32 and the op runs and returns float32.
   Softmax, log-softmax, logsumexp and layer norms decompose into these, so
