@@ -1,0 +1,206 @@
+"""A small GPT-style decoder in NNX.
+
+token `nnx.Embed` + learned position `nnx.Embed`, ``num_layers`` pre-LayerNorm
+blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP ->
+residual), final LayerNorm, then logits from the token embedding
+(``embed.attend``, tied) or from a separate `nnx.Linear` head (untied).
+
+Every layer takes the standard Flax ``dtype``/``param_dtype`` knobs. The
+attention is a plain module around two `nnx.Linear`s: its score and
+weighted-sum contractions run on the projections' outputs in whatever dtype
+those are, through the ``einsum_op`` knob (``jnp.einsum`` by default, the knob
+`nnx.Einsum` has), and the softmax (`jax.nn.softmax`) runs in the scores'
+dtype: which precision those get is for a policy or autocast applied from
+outside to decide.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+Dtype = Any
+
+# GPT-2's embedding initialisation.
+_EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal self-attention.
+
+  Attributes:
+    qkv: `nnx.Linear` ``d_model -> 3 * d_model`` (queries, keys, values).
+    proj: `nnx.Linear` ``d_model -> d_model``, the output projection.
+    num_heads: number of heads.
+    dtype: dtype q, k and v are cast to before the attention contractions
+      (None: leave them as the projections return them).
+    einsum_op: the einsum used for scores and the weighted sum of values.
+  """
+
+  def __init__(self, d_model: int, num_heads: int, *,
+               dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32,
+               einsum_op: Callable[..., jax.Array] = jnp.einsum,
+               rngs: nnx.Rngs):
+    if d_model % num_heads:
+      raise ValueError(f"d_model={d_model} is not divisible by "
+                       f"num_heads={num_heads}")
+    knobs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.num_heads = num_heads
+    self.dtype = dtype
+    self.einsum_op = einsum_op
+    self.qkv = nnx.Linear(d_model, 3 * d_model, **knobs)
+    self.proj = nnx.Linear(d_model, d_model, **knobs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    batch, length, d_model = x.shape
+    head_dim = d_model // self.num_heads
+    q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+    if self.dtype is not None:
+      q, k, v = (a.astype(self.dtype) for a in (q, k, v))
+    shape = (batch, length, self.num_heads, head_dim)
+    q, k, v = (a.reshape(shape) for a in (q, k, v))
+    # Scaling q rather than the scores keeps float16 scores further from
+    # overflow.
+    q = q * jnp.asarray(1.0 / np.sqrt(head_dim), q.dtype)
+    scores = self.einsum_op("bqhd,bkhd->bhqk", q, k)
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    # The weighted sum runs in the values' dtype (float32 scores, say, from an
+    # accumulate-in-float32 einsum_op, would otherwise promote it).
+    out = self.einsum_op("bhqk,bkhd->bqhd", weights.astype(v.dtype), v)
+    return self.proj(out.reshape(batch, length, d_model))
+
+
+class MLPBlock(nnx.Module):
+  """Linear -> gelu -> Linear.
+
+  Attributes:
+    fc: `nnx.Linear` ``d_model -> hidden``.
+    out: `nnx.Linear` ``hidden -> d_model``.
+  """
+
+  def __init__(self, d_model: int, hidden: int, *,
+               dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs):
+    knobs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.fc = nnx.Linear(d_model, hidden, **knobs)
+    self.out = nnx.Linear(hidden, d_model, **knobs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.out(jax.nn.gelu(self.fc(x)))
+
+
+class Block(nnx.Module):
+  """Pre-LayerNorm transformer block.
+
+  Attributes:
+    ln1: `nnx.LayerNorm` before attention.
+    attn: `CausalSelfAttention`.
+    ln2: `nnx.LayerNorm` before the MLP.
+    mlp: `MLPBlock`.
+  """
+
+  def __init__(self, d_model: int, num_heads: int, mlp_hidden: int, *,
+               dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs):
+    knobs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(d_model, **knobs)
+    self.attn = CausalSelfAttention(d_model, num_heads, **knobs)
+    self.ln2 = nnx.LayerNorm(d_model, **knobs)
+    self.mlp = MLPBlock(d_model, mlp_hidden, **knobs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.ln1(x))
+    return x + self.mlp(self.ln2(x))
+
+
+class GPT(nnx.Module):
+  """GPT-style decoder returning next-token logits.
+
+  Attributes:
+    embed: token `nnx.Embed` (``vocab_size x d_model``); also the output
+      head when ``tie_embeddings`` (via ``embed.attend``).
+    pos_embed: learned position `nnx.Embed` (``max_len x d_model``).
+    blocks: `nnx.List` of `Block`.
+    ln_f: final `nnx.LayerNorm`.
+    head: `nnx.Linear` ``d_model -> vocab_size`` without bias, or None when
+      the embeddings are tied.
+    tie_embeddings: whether the logits come from ``embed.attend``.
+    max_len: longest sequence accepted.
+  """
+
+  def __init__(self, vocab_size: int = 256, d_model: int = 64,
+               num_heads: int = 4, num_layers: int = 2, max_len: int = 64, *,
+               mlp_ratio: int = 4, tie_embeddings: bool = True,
+               dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs):
+    """Builds the layers.
+
+    Args:
+      vocab_size: number of token ids.
+      d_model: model width.
+      num_heads: attention heads (must divide ``d_model``).
+      num_layers: transformer blocks.
+      max_len: longest sequence (size of the position table).
+      mlp_ratio: MLP hidden width as a multiple of ``d_model``.
+      tie_embeddings: True for logits from the token embedding, False for a
+        separate head.
+      dtype: compute dtype of every layer (None: follow the inputs).
+      param_dtype: dtype the parameters are created in.
+      rngs: parameter initialisation keys.
+    """
+    knobs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.tie_embeddings = tie_embeddings
+    self.max_len = max_len
+    self.embed = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT,
+                           **knobs)
+    self.pos_embed = nnx.Embed(max_len, d_model, embedding_init=_EMBED_INIT,
+                               **knobs)
+    self.blocks = nnx.List([
+        Block(d_model, num_heads, mlp_ratio * d_model, **knobs)
+        for _ in range(num_layers)])
+    self.ln_f = nnx.LayerNorm(d_model, **knobs)
+    # nnx.data: a None attribute would otherwise be static, and a module
+    # could never be put there later.
+    self.head = nnx.data(None if tie_embeddings else nnx.Linear(
+        d_model, vocab_size, use_bias=False, **knobs))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """Logits ``[batch, length, vocab_size]`` of int tokens ``[batch, length]``.
+
+    The logits at position ``t`` depend on ``tokens[:, :t + 1]`` only.
+    """
+    length = tokens.shape[-1]
+    if length > self.max_len:
+      raise ValueError(f"sequence length {length} > max_len {self.max_len}")
+    x = self.embed(tokens) + self.pos_embed(jnp.arange(length))
+    for block in self.blocks:
+      x = block(x)
+    x = self.ln_f(x)
+    if self.head is None:
+      return self.embed.attend(x)
+    return self.head(x)
+
+
+def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy, computed in float32.
+
+  Args:
+    logits: ``[batch, length, vocab]`` logits of a causal model run on
+      ``tokens``.
+    tokens: ``[batch, length]`` the same tokens: position ``t``'s logits are
+      scored against ``tokens[:, t + 1]``; the last position has no target.
+
+  Returns:
+    The scalar float32 loss.
+  """
+  logits = jnp.asarray(logits[:, :-1], jnp.float32)
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]))
