@@ -28,10 +28,13 @@ HALF = {"bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
 SHORT = {np.dtype(jnp.bfloat16): "bf16", np.dtype(np.float16): "f16",
          F32: "f32"}
 
+# One block each keeps tracing and compiling cheap; the layer kinds are all
+# there.
 NNX_MODELS = {
     "mlp": (tm.MLP, lambda: tm.mlp_batch(4)[0]),
-    "resnet": (tm.ResNet, lambda: tm.image_batch(2)[0]),
-    "gpt": (tm.GPT, lambda: tm.token_batch(2)[0]),
+    "resnet": (lambda rngs: tm.ResNet(rngs, depth=1),
+               lambda: tm.image_batch(2)[0]),
+    "gpt": (lambda rngs: tm.GPT(rngs, depth=1), lambda: tm.token_batch(2)[0]),
 }
 
 
@@ -275,6 +278,46 @@ def test_custom_module_casts_at_its_boundary_and_reads_params_in_compute():
   assert model.w[...].dtype == F32  # the stored param is restored
 
 
+class Zoo(nnx.Module):
+  """Flax layers with assorted knobs, in one model."""
+
+  def __init__(self, rngs):
+    k = {"kernel_init": tm.fast_init}
+    self.ein = nnx.Einsum("btd,dh->bth", (8, 12), (12,), **k, rngs=rngs)
+    self.general = nnx.LinearGeneral(12, (2, 6), **k, rngs=rngs)
+    self.mha = nnx.MultiHeadAttention(2, 12, 12, decode=False, **k, rngs=rngs)
+    self.rms = nnx.RMSNorm(12, rngs=rngs)
+    self.gn = nnx.GroupNorm(12, num_groups=3, rngs=rngs)
+    self.convt = nnx.ConvTranspose(12, 12, (3,), **k, rngs=rngs)
+    self.seq = nnx.Sequential(nnx.Linear(12, 12, **k, rngs=rngs), jax.nn.relu)
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.emb = nnx.Embed(10, 12, embedding_init=tm.fast_init, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.ein(x)
+    x = self.general(x).reshape(x.shape)
+    x = self.gn(self.rms(self.mha(x)))
+    x = self.drop(self.seq(self.convt(x)))
+    return self.emb.attend(x)  # the tied-embedding head
+
+
+def test_flax_layer_knobs_einsum_general_attention_convtranspose_norms():
+  model = jf.set_policies(Zoo(nnx.Rngs(0)), jf.mixed_rules("bfloat16"))
+  policies = {p: str(v) for p, v in jf.get_policies(model).items()}
+  assert policies["rms"] == policies["gn"] == "p=f32,c=f32,o=f32"
+  assert policies["mha/query"] == policies["seq/layers/0"] == (
+      "p=f32,c=bf16,o=bf16")
+  fn, args = nnx_forward_backward(model, jnp.ones((2, 5, 8)))
+  report = jmp_amp.matmul_report(fn, *args)
+  # jax.nn.dot_product_attention (inside MultiHeadAttention) returns float32
+  # logits, so two of its backward dots see a float32 cotangent: that is
+  # JAX's attention, not a module boundary. Everything else is bf16.
+  flops = report.flops_by_input_dtype()
+  assert flops["bf16"] >= 0.95 * report.total_flops, str(report)
+  assert "f32" not in flops, str(report)
+  assert jax.eval_shape(fn, *args)[0][1][0].dtype == HALF["bfloat16"]
+
+
 def test_params_are_stored_in_the_policy_param_dtype():
   model = jf.set_policies(tm.MLP(nnx.Rngs(0)), {"head": "bfloat16",
                                                 "*": "mixed_float16"})
@@ -328,7 +371,7 @@ def linen_forward_backward(module, rules, variables, x):
 
 LINEN_MODELS = {
     "mlp": (tm.LinenMLP, lambda: tm.mlp_batch(4)[0]),
-    "resnet": (tm.LinenResNet, lambda: tm.image_batch(2)[0]),
+    "resnet": (lambda: tm.LinenResNet(depth=1), lambda: tm.image_batch(2)[0]),
 }
 
 
@@ -379,6 +422,17 @@ def test_linen_path_rules_inheritance_and_warnings():
   with pytest.warns(UserWarning, match="'decoder'"):
     jf.apply_with_policies(module, {"decoder": "float32"}, variables, x,
                            mutable=["batch_stats"])
+
+
+def test_nested_linen_contexts_the_innermost_applies():
+  x = tm.mlp_batch(2)[0]
+  variables = tm.LinenMLP().init(jax.random.key(0), x)
+  with jf.linen_policies("mixed_float16"):
+    with jf.linen_policies("mixed_bfloat16"):
+      inner = tm.LinenMLP().apply(variables, x)
+    outer = tm.LinenMLP().apply(variables, x)
+  assert inner.dtype == HALF["bfloat16"] and outer.dtype == HALF["float16"]
+  assert tm.LinenMLP().apply(variables, x).dtype == F32
 
 
 def test_linen_and_nnx_mlp_give_the_same_loss_under_a_policy():
