@@ -208,6 +208,17 @@ class DynamicLossScale:
     hyst = _concrete_float(hysteresis, "hysteresis")
     if hyst is None or hyst != int(hyst) or hyst < 1:
       raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
+    # A scale outside [min, max] moves the wrong way: a back-off would raise
+    # it to the floor, a growth step would cut it to the cap.
+    init_f = _concrete_float(loss_scale, "loss_scale")
+    if init_f is not None and init_f < min_f:
+      raise ValueError(
+          f"loss_scale ({init_f}) must not be below min_loss_scale ({min_f})")
+    if (init_f is not None and max_loss_scale is not None
+        and init_f > max_loss_scale):
+      raise ValueError(
+          f"loss_scale ({init_f}) must not exceed max_loss_scale "
+          f"({max_loss_scale})")
 
     if isinstance(loss_scale, numbers.Real):
       # A Python number would make a weakly-typed leaf whose type changes after
