@@ -1,9 +1,10 @@
 """Tests of the plain Flax reference models in `models/` (tiny sizes, CPU).
 
-Cost on CPU is almost all XLA compilation, so: structure is checked on
-abstract models (`nnx.eval_shape`, no compilation), the concrete models are
-built once per module from an "rbg" key (threefry's initialisers compile far
-slower) and cloned per test, and forward passes are jitted whole.
+Cost on CPU is almost all XLA compilation, so: structure and dtypes are
+checked on abstract models (`nnx.eval_shape`, no compilation); the concrete
+models get numpy weights (Flax's initialisers compile one program per
+parameter shape: tens of seconds on a loaded CPU), are built once per module
+and cloned per test; forward passes are jitted whole.
 """
 
 import functools
@@ -28,8 +29,31 @@ GPT_KW = dict(vocab_size=32, d_model=16, num_heads=2, num_layers=2,
               max_len=16)
 
 
-def _rngs() -> nnx.Rngs:
-  return nnx.Rngs(jax.random.key(0, impl="rbg"))
+def _build(make_model, seed: int = 0):
+  """The model `make_model()` builds, with numpy-initialised weights.
+
+  Kernels are normal / sqrt(fan_in), embeddings normal * 0.02 (as the GPT's
+  own initialiser), norm scales and variances one, biases and means zero.
+  """
+  graphdef, state = nnx.split(nnx.eval_shape(make_model))
+  rng = np.random.default_rng(seed)
+
+  def init(path, leaf):
+    # The path ends in the variable's name, then the Variable's `.value`.
+    name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+    if name in ("scale", "var"):
+      value = np.ones(leaf.shape)
+    elif name in ("bias", "mean"):
+      value = np.zeros(leaf.shape)
+    else:
+      std = 0.02 if name == "embedding" else 1 / np.sqrt(
+          np.prod(leaf.shape[:-1]))
+      value = std * rng.standard_normal(leaf.shape)
+    # Host arrays: jnp.ones and friends would compile per shape too.
+    return jnp.asarray(value.astype(leaf.dtype))
+
+  return nnx.merge(graphdef,
+                   jax.tree_util.tree_map_with_path(init, state))
 
 
 def _num_params(model: nnx.Module) -> int:
@@ -76,17 +100,18 @@ def _train(model, loss_fn, batches, tx, **call_kwargs) -> list[float]:
 
 @pytest.fixture(scope="module")
 def _mlp():
-  return models.MLP(**MLP_KW, rngs=_rngs())
+  return _build(lambda: models.MLP(**MLP_KW, rngs=nnx.Rngs(0)))
 
 
 @pytest.fixture(scope="module")
 def _resnet():
-  return models.ResNet(**RESNET_KW, rngs=_rngs())
+  return _build(lambda: models.ResNet(**RESNET_KW, rngs=nnx.Rngs(0)))
 
 
 @pytest.fixture(scope="module")
 def _gpts():
-  return {tie: models.GPT(**GPT_KW, tie_embeddings=tie, rngs=_rngs())
+  return {tie: _build(lambda: models.GPT(**GPT_KW, tie_embeddings=tie,
+                                         rngs=nnx.Rngs(0)))
           for tie in (True, False)}
 
 
@@ -174,7 +199,8 @@ def test_mlp_sgd_reduces_mse(mlp):
   xs, ys = data_lib.regression_batches(1, 32, 8, 5, seed=0)
   losses = _train(mlp, models.mse_loss, [(xs[0], ys[0])] * 20,
                   optax.sgd(0.05))
-  assert losses[-1] < 0.9 * losses[0]
+  # Random targets: the fit can only shrink the output towards them a little.
+  assert losses[-1] < 0.95 * losses[0]
 
 
 @jax.jit
@@ -282,9 +308,9 @@ def test_resnet_dtype_knob_keeps_batch_stats_float32():
 def test_resnet_adam_reduces_cross_entropy(resnet):
   # Fitting one batch: a few steps are enough to see the loss fall.
   batch = data_lib.image_batch(16, 10, seed=0)
-  losses = _train(resnet, models.cross_entropy_loss, [batch] * 15,
+  losses = _train(resnet, models.cross_entropy_loss, [batch] * 25,
                   optax.adam(1e-2), train=True)
-  assert losses[-1] < 0.7 * losses[0]
+  assert losses[-1] < 0.75 * losses[0]  # About 0.55 on CPU.
 
 
 # --------------------------------------------------------------------------
@@ -356,12 +382,12 @@ def test_gpt_dtype_knob_reaches_attention():
 
 def test_gpt_adam_reduces_lm_loss(gpt):
   batches = []
-  for i in range(15):
+  for i in range(25):
     tokens = data_lib.token_batch(8, 16, 32, seed=i)
     batches.append((tokens, tokens))
   losses = _train(gpt, models.lm_loss, batches, optax.adam(1e-2))
   # Fresh batches each step: below log(32), the loss of uniform guessing.
-  assert np.mean(losses[-2:]) < 0.9 * losses[0]
+  assert np.mean(losses[-2:]) < 0.85 * losses[0]  # About 0.7 on CPU.
   assert losses[0] > 0.97 * np.log(32)
 
 
