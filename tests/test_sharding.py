@@ -16,8 +16,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def results():
+def _run_script():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the script sets its own device count
   env["JAX_PLATFORMS"] = "cpu"
@@ -26,6 +25,19 @@ def results():
                         cwd=os.path.dirname(SCRIPT))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  """The script's results, computed once even with several xdist workers."""
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    return _run_script()
+  filelock = pytest.importorskip("filelock")
+  shared = tmp_path_factory.getbasetemp().parent / "sharded_check.json"
+  with filelock.FileLock(str(shared) + ".lock"):
+    if not shared.is_file():
+      shared.write_text(json.dumps(_run_script()))
+    return json.loads(shared.read_text())
 
 
 def test_runs_on_eight_devices(results):
