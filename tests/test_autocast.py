@@ -447,7 +447,8 @@ def _build(make_model):
   rng = np.random.default_rng(0)
 
   def init(path, leaf):
-    name = str(path[-1])
+    # State paths end in the Variable's `.value`; the name is the last dict key.
+    name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
     if name in ("scale", "var"):
       return np.ones(leaf.shape, leaf.dtype)
     if name in ("bias", "mean") or leaf.ndim < 2:
