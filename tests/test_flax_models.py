@@ -1,122 +1,110 @@
-"""Tiny NNX and linen models for the jmp_amp.flax tests (plus their sanity).
+"""Model builders for the jmp_amp.flax tests (plus their sanity checks).
 
-An MLP (NNX and linen, same parameter names and shapes, so weights can be
-copied across), a ResNet-style conv net with BatchNorm (NNX and linen) and a
-GPT-style decoder (NNX) whose attention block is a custom module without
-dtype knobs and whose root holds a Param of its own (the position table).
+The reference models of `models/` (MLP and ResNet in NNX and linen, GPT in
+NNX) at tiny sizes, with weights drawn by numpy: Flax's truncated-normal
+initialisers compile an XLA program per shape, seconds per model on a busy
+CPU, while `nnx.eval_shape` + numpy compiles nothing.
+
+Also `KnoblessGPT`, a decoder whose attention block is written with plain jnp
+ops (no dtype/einsum knobs) and whose root owns a Param, to exercise the
+boundary casts of modules without knobs.
 """
 
-import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-IN, HIDDEN, CLASSES = 6, 16, 4
-VOCAB, SEQ, WIDTH = 16, 8, 16
+import models
+from models import data
+
+MLP_IN, MLP_OUT, MLP_WIDTH = 16, 4, 32
+CLASSES = 4
+VOCAB, SEQ, WIDTH = 32, 16, 32
 
 
-def fast_init(key, shape, dtype=jnp.float32):
-  """LeCun-normal weights drawn by numpy from the key's bits.
+def fill(tree, seed: int = 0):
+  """Concrete values for an abstract variable tree, by variable name.
 
-  Flax's default truncated-normal initialisers compile an XLA program per
-  shape, which costs seconds per model on a busy CPU; this compiles nothing.
+  Kernels and embeddings get LeCun-normal values, biases and means zeros,
+  scales and variances ones.
   """
-  if isinstance(key, jax.core.Tracer):  # linen's shape check, under eval_shape
-    return jnp.zeros(shape, dtype)
-  seed = np.asarray(jax.random.key_data(key)).astype(np.uint64)
-  fan_in = int(np.prod(shape[:-1])) or 1
-  values = np.random.default_rng(seed).normal(0.0, fan_in ** -0.5, shape)
-  return jnp.asarray(values, dtype)
+  rng = np.random.default_rng(seed)
+
+  def leaf(path, x):
+    name = str(getattr(path[-1], "key", path[-1]))
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"fill: {jax.tree_util.keystr(path)} is {x.dtype}; "
+                      "build models without RNG state")
+    if name in ("bias", "mean"):
+      value = np.zeros(x.shape)
+    elif name in ("scale", "var"):
+      value = np.ones(x.shape)
+    else:
+      fan_in = int(np.prod(x.shape[:-1])) or 1
+      value = rng.normal(0.0, fan_in ** -0.5, x.shape)
+    return jnp.asarray(value, x.dtype)
+
+  return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-K = {"kernel_init": fast_init}
+def build(ctor, seed: int = 0) -> nnx.Module:
+  """`ctor()`'s NNX model, initialised by numpy (see `fill`)."""
+  graphdef, state = nnx.split(nnx.eval_shape(ctor))
+  nnx.replace_by_pure_dict(state, fill(nnx.to_pure_dict(state), seed))
+  return nnx.merge(graphdef, state)
 
 
-class MLP(nnx.Module):
-  """Linear-relu-Linear-relu-Linear; the last layer is `head`."""
-
-  def __init__(self, rngs: nnx.Rngs):
-    self.l1 = nnx.Linear(IN, HIDDEN, **K, rngs=rngs)
-    self.l2 = nnx.Linear(HIDDEN, HIDDEN, **K, rngs=rngs)
-    self.head = nnx.Linear(HIDDEN, CLASSES, **K, rngs=rngs)
-
-  def __call__(self, x):
-    x = jax.nn.relu(self.l1(x))
-    x = jax.nn.relu(self.l2(x))
-    return self.head(x)
+def linen_init(module, *args, seed: int = 0, **kwargs):
+  """`module.init` variables, initialised by numpy (see `fill`)."""
+  abstract = jax.eval_shape(
+      lambda: module.init(jax.random.key(0), *args, **kwargs))
+  return fill(abstract, seed)
 
 
-class LinenMLP(nn.Module):
-  """`MLP` in linen, with the same parameter names."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = jax.nn.relu(nn.Dense(HIDDEN, **K, name="l1")(x))
-    x = jax.nn.relu(nn.Dense(HIDDEN, **K, name="l2")(x))
-    return nn.Dense(CLASSES, **K, name="head")(x)
+# --------------------------------------------------------------------------
+# Reference models at test size.
 
 
-def nnx_mlp_params_as_linen(model: MLP) -> dict:
-  return {name: {"kernel": getattr(model, name).kernel[...],
-                 "bias": getattr(model, name).bias[...]}
-          for name in ("l1", "l2", "head")}
+def mlp(seed: int = 0) -> models.MLP:
+  return build(lambda: models.MLP(MLP_IN, MLP_OUT, 3, width=MLP_WIDTH,
+                                  rngs=nnx.Rngs(0)), seed)
 
 
-class Block(nnx.Module):
-  """conv-BN-relu-conv-BN plus the identity."""
-
-  def __init__(self, ch: int, rngs: nnx.Rngs):
-    self.conv1 = nnx.Conv(ch, ch, (3, 3), use_bias=False, **K, rngs=rngs)
-    self.bn1 = nnx.BatchNorm(ch, rngs=rngs)
-    self.conv2 = nnx.Conv(ch, ch, (3, 3), use_bias=False, **K, rngs=rngs)
-    self.bn2 = nnx.BatchNorm(ch, rngs=rngs)
-
-  def __call__(self, x, train: bool = True):
-    y = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=not train))
-    y = self.bn2(self.conv2(y), use_running_average=not train)
-    return jax.nn.relu(x + y)
+def linen_mlp() -> models.LinenMLP:
+  return models.LinenMLP(MLP_IN, MLP_OUT, 3, width=MLP_WIDTH)
 
 
-class ResNet(nnx.Module):
-  """stem conv-BN, two residual blocks, global average pool, linear head."""
-
-  def __init__(self, rngs: nnx.Rngs, ch: int = 8, depth: int = 2):
-    self.stem = nnx.Conv(3, ch, (3, 3), use_bias=False, **K, rngs=rngs)
-    self.bn = nnx.BatchNorm(ch, rngs=rngs)
-    self.blocks = nnx.List([Block(ch, rngs) for _ in range(depth)])
-    self.head = nnx.Linear(ch, CLASSES, **K, rngs=rngs)
-
-  def __call__(self, x, train: bool = True):
-    x = jax.nn.relu(self.bn(self.stem(x), use_running_average=not train))
-    for block in self.blocks:
-      x = block(x, train)
-    return self.head(x.mean(axis=(1, 2)))
+def resnet(seed: int = 0) -> models.ResNet:
+  return build(lambda: models.ResNet((1, 1), 8, CLASSES, rngs=nnx.Rngs(0)),
+               seed)
 
 
-class LinenBlock(nn.Module):
-  ch: int
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    y = nn.Conv(self.ch, (3, 3), use_bias=False, **K)(x)
-    y = jax.nn.relu(nn.BatchNorm(use_running_average=not train)(y))
-    y = nn.Conv(self.ch, (3, 3), use_bias=False, **K)(y)
-    y = nn.BatchNorm(use_running_average=not train)(y)
-    return jax.nn.relu(x + y)
+def linen_resnet() -> models.LinenResNet:
+  return models.LinenResNet((1, 1), 8, CLASSES)
 
 
-class LinenResNet(nn.Module):
-  ch: int = 8
-  depth: int = 2
+def gpt(seed: int = 0, num_layers: int = 1) -> models.GPT:
+  return build(lambda: models.GPT(VOCAB, WIDTH, 2, num_layers, SEQ,
+                                  rngs=nnx.Rngs(0)), seed)
 
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    x = nn.Conv(self.ch, (3, 3), use_bias=False, **K, name="stem")(x)
-    x = jax.nn.relu(nn.BatchNorm(use_running_average=not train, name="bn")(x))
-    for i in range(self.depth):
-      x = LinenBlock(self.ch, name=f"blocks_{i}")(x, train)
-    return nn.Dense(CLASSES, **K, name="head")(x.mean(axis=(1, 2)))
+
+def mlp_batch(n: int = 8, seed: int = 0):
+  xs, ys = data.regression_batches(1, n, MLP_IN, MLP_OUT, seed=seed)
+  return jnp.asarray(xs[0]), jnp.asarray(ys[0])
+
+
+def image_batch(n: int = 8, seed: int = 0):
+  x, y = data.image_batch(n, CLASSES, seed=seed)
+  return jnp.asarray(x), jnp.asarray(y)
+
+
+def token_batch(n: int = 4, seed: int = 0):
+  return jnp.asarray(data.token_batch(n, SEQ, VOCAB, seed=seed))
+
+
+# --------------------------------------------------------------------------
+# A decoder without knobs.
 
 
 class Attention(nnx.Module):
@@ -124,8 +112,8 @@ class Attention(nnx.Module):
 
   def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
     self.heads = heads
-    self.qkv = nnx.Linear(width, 3 * width, **K, rngs=rngs)
-    self.proj = nnx.Linear(width, width, **K, rngs=rngs)
+    self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
+    self.proj = nnx.Linear(width, width, rngs=rngs)
 
   def __call__(self, x):
     b, t, d = x.shape
@@ -140,27 +128,27 @@ class Attention(nnx.Module):
     return self.proj(out)
 
 
-class DecoderBlock(nnx.Module):
+class KnoblessBlock(nnx.Module):
 
   def __init__(self, width: int, rngs: nnx.Rngs):
     self.ln1 = nnx.LayerNorm(width, rngs=rngs)
     self.attn = Attention(width, 2, rngs)
     self.ln2 = nnx.LayerNorm(width, rngs=rngs)
-    self.fc = nnx.Linear(width, 2 * width, **K, rngs=rngs)
-    self.out = nnx.Linear(2 * width, width, **K, rngs=rngs)
+    self.fc = nnx.Linear(width, 2 * width, rngs=rngs)
+    self.out = nnx.Linear(2 * width, width, rngs=rngs)
 
   def __call__(self, x):
     x = x + self.attn(self.ln1(x))
     return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
-class GPT(nnx.Module):
-  """Token + learned position embeddings, 2 blocks, final norm, tied head."""
+class KnoblessGPT(nnx.Module):
+  """Token embedding, a position table Param of its own, tied head."""
 
   def __init__(self, rngs: nnx.Rngs, depth: int = 2):
-    self.embed = nnx.Embed(VOCAB, WIDTH, embedding_init=fast_init, rngs=rngs)
-    self.pos = nnx.Param(0.1 * fast_init(rngs.params(), (SEQ, WIDTH)))
-    self.blocks = nnx.List([DecoderBlock(WIDTH, rngs) for _ in range(depth)])
+    self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+    self.pos = nnx.Param(jnp.zeros((SEQ, WIDTH)))
+    self.blocks = nnx.List([KnoblessBlock(WIDTH, rngs) for _ in range(depth)])
     self.ln_f = nnx.LayerNorm(WIDTH, rngs=rngs)
 
   def __call__(self, tokens):
@@ -170,44 +158,30 @@ class GPT(nnx.Module):
     return self.embed.attend(self.ln_f(x))
 
 
-# Batches come from numpy: jax.random would compile a program per shape.
-
-
-def mlp_batch(n: int = 32, seed: int = 0):
-  x = np.random.default_rng(seed).normal(size=(n, IN)).astype(np.float32)
-  y = (x[:, 0] > 0).astype(np.int32) + 2 * (x[:, 1] > 0).astype(np.int32)
-  return jnp.asarray(x), jnp.asarray(y)
-
-
-def image_batch(n: int = 8, seed: int = 0):
-  x = np.random.default_rng(seed).normal(size=(n, 8, 8, 3)).astype(np.float32)
-  y = (x[..., 0].mean(axis=(1, 2)) > 0).astype(np.int32)
-  return jnp.asarray(x), jnp.asarray(y)
-
-
-def token_batch(n: int = 4, seed: int = 0):
-  # A learnable sequence: each token is the previous one plus one.
-  start = np.random.default_rng(seed).integers(0, VOCAB, (n, 1))
-  tokens = ((start + np.arange(SEQ + 1)) % VOCAB).astype(np.int32)
-  return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+def knobless_gpt(seed: int = 0, depth: int = 2) -> KnoblessGPT:
+  return build(lambda: KnoblessGPT(nnx.Rngs(0), depth), seed)
 
 
 # --------------------------------------------------------------------------
-# Sanity of the models themselves.
+# Sanity of the builders.
 
 
-def test_models_run_in_float32_with_expected_shapes():
-  def out(model, x):  # abstract evaluation: no op-by-op compilation
+def test_builders_give_float32_models_of_the_expected_shapes():
+  def out(model, x):  # abstract evaluation: nothing compiles
     return nnx.eval_shape(lambda m, x: m(x), model, x)
-  assert out(MLP(nnx.Rngs(0)), mlp_batch(4)[0]).shape == (4, CLASSES)
-  assert out(ResNet(nnx.Rngs(0)), image_batch(2)[0]).shape == (2, CLASSES)
-  logits = out(GPT(nnx.Rngs(0)), token_batch(2)[0])
-  assert logits.shape == (2, SEQ, VOCAB) and logits.dtype == jnp.float32
+  assert out(mlp(), mlp_batch(4)[0]).shape == (4, MLP_OUT)
+  assert out(resnet(), image_batch(2)[0]).shape == (2, CLASSES)
+  for model in (gpt(), knobless_gpt()):
+    logits = out(model, token_batch(2))
+    assert logits.shape == (2, SEQ, VOCAB) and logits.dtype == jnp.float32
+  state = nnx.state(resnet())
+  assert float(state["stem_bn"]["var"][...].min()) == 1.0
+  assert float(jnp.abs(state["head"]["kernel"][...]).max()) > 0
 
 
-def test_linen_mlp_matches_nnx_mlp_in_float32():
-  model = MLP(nnx.Rngs(0))
+def test_linen_mlp_holds_the_nnx_mlp_weights():
+  model = mlp()
   x, _ = mlp_batch(4)
-  params = nnx_mlp_params_as_linen(model)
-  np.testing.assert_allclose(LinenMLP().apply({"params": params}, x),
-                             model(x), rtol=1e-6, atol=1e-6)
+  variables = models.linen_params_from_nnx(model)
+  np.testing.assert_allclose(linen_mlp().apply(variables, x), model(x),
+                             rtol=1e-6, atol=1e-6)

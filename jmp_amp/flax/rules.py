@@ -20,6 +20,9 @@ Resolution, for each module:
 1. The first rule, in mapping order, whose key matches the module wins.
 2. Otherwise the module inherits the policy of its nearest ancestor that a
    rule matched, so ``{"head": "float32"}`` covers the layers inside ``head``.
+   Except from ``""``: that pattern names the root alone and sets only the
+   model's own input/output casts, e.g. ``{"": "p=f32,c=bf16,o=f32"}`` for
+   float32 outputs (see `mixed_rules`'s ``model_output``).
 3. Otherwise the catch-all key ``"*"`` applies, wherever it sits in the
    mapping: it is the default, the weakest rule.
 4. Otherwise the module is left as it is.
@@ -45,6 +48,7 @@ import jmp_amp
 from jmp_amp import Policy
 
 DEFAULT_KEY = "*"
+ROOT_KEY = ""
 
 PolicyLike = Union[Policy, str, None]
 RuleKey = Union[type, str]
@@ -104,8 +108,8 @@ class PolicyRules(dict):
 
 
 def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
-                output: Any = None, norms: PolicyLike = "float32"
-                ) -> PolicyRules:
+                output: Any = None, norms: PolicyLike = "float32",
+                model_output: Any = None) -> PolicyRules:
   """The default rules: norms in float32, everything else in `compute`.
 
   Normalisation layers (BatchNorm, LayerNorm, RMSNorm, GroupNorm,
@@ -125,13 +129,20 @@ def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
     output: output dtype of the catch-all rule; default `compute`, as in
       Keras' "mixed_bfloat16".
     norms: policy of the normalisation layers.
+    model_output: if given, the dtype the model as a whole returns (a rule
+      ``""`` for the root, which its submodules do not inherit), e.g.
+      "float32" for float32 logits from a mixed model.
 
   Returns:
-    A `PolicyRules` with the norm rules first and ``"*"`` last.
+    A `PolicyRules` with the root rule (if any), then the norm rules, and
+    ``"*"`` last.
   """
   default = Policy(param, compute, compute if output is None else output)
   norm_policy = resolve_policy("norms", norms)
-  rules = {cls: norm_policy for cls in NORM_CLASSES}
+  rules = {}
+  if model_output is not None:
+    rules[ROOT_KEY] = default.with_output_dtype(model_output)
+  rules.update({cls: norm_policy for cls in NORM_CLASSES})
   rules[DEFAULT_KEY] = default
   return PolicyRules(rules, optional=NORM_CLASSES)
 
@@ -309,10 +320,13 @@ class Resolution:
     rule: the rule that decided it (None when nothing matched).
     source: "rule" (matched directly), "inherited" (from an ancestor matched
       by `rule`), "default" (the "*" rule) or "none".
+    inheritable: whether submodules without a rule of their own inherit it:
+      true for rules matching a module other than the root.
   """
   policy: Optional[Policy]
   rule: Optional[Rule]
   source: str
+  inheritable: bool = False
 
 
 NO_POLICY = Resolution(None, None, "none")
@@ -320,12 +334,19 @@ NO_POLICY = Resolution(None, None, "none")
 
 def resolve(ruleset: RuleSet, path: str, module: Any,
             parent: Optional[Resolution]) -> Resolution:
-  """The policy of one module, given its parent's resolution (or None)."""
+  """The policy of one module, given its parent's resolution (or None).
+
+  The pattern ``""`` names the root alone and is not inherited: it sets the
+  model's own input/output casts, e.g. ``{"": "p=f32,c=bf16,o=f32"} |
+  mixed_rules()`` returns float32 outputs from an otherwise mixed model.
+  """
   for rule in ruleset.rules:
     if rule.matches(path, module):
-      return Resolution(rule.policy, rule, "rule")
-  if parent is not None and parent.source in ("rule", "inherited"):
-    return Resolution(parent.policy, parent.rule, "inherited")
+      return Resolution(rule.policy, rule, "rule",
+                        inheritable=rule.key != ROOT_KEY)
+  if parent is not None and parent.inheritable:
+    return Resolution(parent.policy, parent.rule, "inherited",
+                      inheritable=True)
   if ruleset.default is not None:
     return Resolution(ruleset.default.policy, ruleset.default, "default")
   return NO_POLICY
