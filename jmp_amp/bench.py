@@ -464,34 +464,25 @@ def plot(runs: list[dict[str, Any]], path: str, title: str) -> None:
 # CLI.
 
 
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-  return value
+def _number(convert: Callable[[str], Any], ok: Callable[[Any], bool],
+            expected: str) -> Callable[[str], Any]:
+  """An argparse `type=` that converts and range-checks, naming `expected`."""
+  def parse(text: str):
+    try:
+      value = convert(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+      raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+    return value
+  return parse
 
 
-def _non_negative_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-  return value
-
-
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-  return value
+_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: math.isfinite(v) and v > 0,
+                          "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:
