@@ -67,10 +67,11 @@ class CheckpointMismatchError(ValueError):
 
 def _leaf_spec(x: Any) -> dict[str, Any]:
   if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "dtype"):
-    shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+    shape, dtype = tuple(x.shape), x.dtype
   else:
-    shape, dtype = np.shape(x), np.dtype(jnp.result_type(x))
-  return {"shape": [int(d) for d in shape], "dtype": dtype.name}
+    shape, dtype = np.shape(x), jnp.result_type(x)
+  # str(), not np.dtype(): PRNG key arrays have extended dtypes.
+  return {"shape": [int(d) for d in shape], "dtype": str(dtype)}
 
 
 def _loss_scale_spec(ls: Any) -> dict[str, Any]:
