@@ -483,6 +483,9 @@ _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _number(float, lambda v: math.isfinite(v) and v > 0,
                           "a positive number")
+# DynamicLossScale's floor (min_loss_scale) is 1.
+_loss_scale_arg = _number(float, lambda v: math.isfinite(v) and v >= 1,
+                          "a finite number >= 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -513,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
                       f"{', '.join(JAX_MODES)} (default: "
                       f"{', '.join(DEFAULT_MODES)})")
   parser.add_argument("--lr", type=_positive_float, default=0.1)
-  parser.add_argument("--init-scale", type=_positive_float, default=2.0**15,
+  parser.add_argument("--init-scale", type=_loss_scale_arg, default=2.0**15,
                       help="initial dynamic loss scale (default 2**15)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--compare-torch", action="store_true",
