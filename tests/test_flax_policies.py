@@ -26,6 +26,9 @@ import test_flax_models as tm
 
 F32 = np.dtype(np.float32)
 HALF = {"bfloat16": np.dtype(jnp.bfloat16), "float16": np.dtype(np.float16)}
+# XLA:CPU's optimising backend takes seconds per program; the tests check what
+# programs compute, not how fast.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 SHORT = {np.dtype(jnp.bfloat16): "bf16", np.dtype(np.float16): "f16",
          F32: "f32"}
 
@@ -196,7 +199,7 @@ def test_nnx_float32_policy_matches_unpoliced_bit_for_bit(name):
     if rules:
       jf.set_policies(model, rules)
     fn, args = nnx_forward_backward(model, x)
-    results.append(jax.jit(fn)(*args))
+    results.append(jax.jit(fn, compiler_options=FAST_COMPILE)(*args))
   assert tree_bytes_equal(results[0], results[1])
 
 
@@ -418,9 +421,11 @@ def test_linen_float32_policy_matches_unpoliced_bit_for_bit(name):
   x = make_input()
   variables = tm.linen_init(cls(), x)
   mutable = [k for k in variables if k != "params"]
-  plain = jax.jit(lambda v, x: cls().apply(v, x, mutable=mutable))(variables, x)
+  plain = jax.jit(lambda v, x: cls().apply(v, x, mutable=mutable),
+                  compiler_options=FAST_COMPILE)(variables, x)
   policied = jax.jit(lambda v, x: jf.apply_with_policies(
-      cls(), "float32", v, x, mutable=mutable))(variables, x)
+      cls(), "float32", v, x, mutable=mutable),
+                     compiler_options=FAST_COMPILE)(variables, x)
   assert tree_bytes_equal(plain, policied)
 
 

@@ -1,6 +1,5 @@
 """Tests for jmp_amp.flax.train: mixed-precision train steps, NNX and linen."""
 
-import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -11,28 +10,24 @@ import pytest
 import jmp_amp
 import jmp_amp.flax as jf
 from helpers import tree_bytes_equal
+import models
 import test_flax_models as tm
 
 F32 = np.dtype(np.float32)
 
 
-def xent(logits, labels):
-  logits = logits.astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+TRACES = []  # one entry per trace of model_loss
 
 
-TRACES = []  # one entry per trace of nnx_loss
-
-
-def nnx_loss(model, batch):
-  TRACES.append(type(model).__name__)
+def model_loss(model, batch):
+  """The reference models' own float32 losses; `model` is NNX or linen."""
+  TRACES.append(None)
+  if isinstance(model, (models.GPT, tm.KnoblessGPT)):
+    return models.lm_loss(model(batch), batch)
   x, y = batch
-  return xent(model(x), y)
-
-
-def linen_loss(model, batch):
-  x, y = batch
-  return xent(model(x), y)
+  if y.dtype == jnp.int32:
+    return models.cross_entropy_loss(model(x), y)
+  return models.mse_loss(model(x), y)
 
 
 def scaled_adam(lr=1e-2, scale=2.0 ** 15):
@@ -41,9 +36,12 @@ def scaled_adam(lr=1e-2, scale=2.0 ** 15):
   return jmp_amp.loss_scaling(optax.adam(lr), loss_scale)
 
 
-# Shared by the tests, so that nnx.jit's cache serves equal models (the
-# optimizer's transformation is part of its static graph definition).
-NNX_STEP = jf.make_train_step(nnx_loss)
+# XLA:CPU's optimising backend takes seconds per tiny train step; the tests
+# check what the program computes, not how fast.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+# Shared by the tests, so that the jit cache serves equal models (the
+# optimizer's transformation is part of the static graph definition).
+NNX_STEP = jf.make_train_step(model_loss, compiler_options=FAST_COMPILE)
 TX_F16 = scaled_adam()
 TX_BF16 = scaled_adam(scale=None)
 
@@ -57,20 +55,20 @@ def host(tree):
   return jax.tree_util.tree_map(lambda x: np.array(x, copy=True), tree)
 
 
-# One block each: the train steps compile, and compile time is most of it.
 NNX_CASES = {
-    "mlp": (tm.MLP, tm.mlp_batch),
-    "resnet": (lambda rngs: tm.ResNet(rngs, depth=1), tm.image_batch),
-    "gpt": (lambda rngs: tm.GPT(rngs, depth=1), tm.token_batch),
+    "mlp": (tm.mlp, tm.mlp_batch),
+    "resnet": (tm.resnet, tm.image_batch),
+    "gpt": (tm.gpt, tm.token_batch),
+    "knobless_gpt": (lambda: tm.knobless_gpt(depth=1), tm.token_batch),
 }
 
 
 @pytest.mark.parametrize("name,compute", [
     ("mlp", "bfloat16"), ("mlp", "float16"), ("resnet", "float16"),
-    ("gpt", "float16")])
+    ("gpt", "float16"), ("knobless_gpt", "bfloat16")])
 def test_nnx_models_train_under_mixed_precision(name, compute):
-  cls, make_batch = NNX_CASES[name]
-  model = jf.set_policies(cls(nnx.Rngs(0)), jf.mixed_rules(compute))
+  build, make_batch = NNX_CASES[name]
+  model = jf.set_policies(build(), jf.mixed_rules(compute))
   optimizer = nnx.Optimizer(
       model, TX_BF16 if compute == "bfloat16" else TX_F16, wrt=nnx.Param)
   step = NNX_STEP
@@ -95,8 +93,7 @@ def test_nnx_models_train_under_mixed_precision(name, compute):
 
 
 def test_nnx_skipped_step_changes_nothing_but_the_scale():
-  model = jf.set_policies(tm.ResNet(nnx.Rngs(0), depth=1),
-                          jf.mixed_rules("float16"))
+  model = jf.set_policies(tm.resnet(), jf.mixed_rules("float16"))
   optimizer = nnx.Optimizer(model, TX_F16, wrt=nnx.Param)
   step = NNX_STEP
   x, y = tm.image_batch()
@@ -123,12 +120,12 @@ def test_nnx_skipped_step_changes_nothing_but_the_scale():
 
 def test_nnx_autocast_instead_of_module_policies():
   x, y = tm.mlp_batch()
-  model = tm.MLP(nnx.Rngs(0))  # no set_policies: op-level autocast
+  model = tm.mlp()  # no set_policies: op-level autocast
   optimizer = nnx.Optimizer(model, scaled_adam(), wrt=nnx.Param)
-  step = jf.make_train_step(nnx_loss, autocast="float16", jit=False)
-  report = jmp_amp.matmul_report(nnx.jit(step), model, optimizer, (x, y))
+  step = jf.make_train_step(model_loss, autocast="float16",
+                            compiler_options=FAST_COMPILE)
+  report = jmp_amp.matmul_report(step, model, optimizer, (x, y))
   assert len(report) >= 8 and report.all_inputs_in("f16"), str(report)
-  step = nnx.jit(step, donate_argnums=(0, 1))
   first = float(step(model, optimizer, (x, y))["loss"])
   for _ in range(5):
     metrics = step(model, optimizer, (x, y))
@@ -144,30 +141,31 @@ def test_nnx_autocast_callable_hook_and_aux():
     return fn
 
   def loss_fn(model, batch):
-    logits = model(batch[0])
-    return xent(logits, batch[1]), {"logits_half": jnp.array(
-        logits.dtype == jnp.bfloat16)}
+    out = model(batch[0])
+    return models.mse_loss(out, batch[1]), {"out_half": jnp.array(
+        out.dtype == jnp.bfloat16)}
 
-  model = jf.set_policies(tm.MLP(nnx.Rngs(0)), "mixed_bfloat16")
+  model = jf.set_policies(tm.mlp(), "mixed_bfloat16")
   optimizer = nnx.Optimizer(model, TX_BF16, wrt=nnx.Param)
-  step = jf.make_train_step(loss_fn, has_aux=True, autocast=hook)
+  step = jf.make_train_step(loss_fn, has_aux=True, autocast=hook,
+                            compiler_options=FAST_COMPILE)
   metrics = step(model, optimizer, tm.mlp_batch())
   assert len(calls) == 1
-  assert bool(metrics["aux"]["logits_half"])
+  assert bool(metrics["aux"]["out_half"])
   assert set(metrics) == {"loss", "loss_scale", "grads_finite",
                           "skipped_steps", "steps", "aux"}
 
 
 def test_nnx_step_errors():
-  model = tm.MLP(nnx.Rngs(0))
-  step = jf.make_train_step(nnx_loss, jit=False)
+  model = tm.mlp()
+  step = jf.make_train_step(model_loss, jit=False)
   with pytest.raises(ValueError, match="loss_scaling"):
     step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
          tm.mlp_batch(4))
   with pytest.raises(TypeError, match="nnx.Optimizer"):
     step(model, scaled_adam(), tm.mlp_batch(4))
   with pytest.raises(TypeError, match="autocast"):
-    jf.make_train_step(nnx_loss, autocast=42)
+    jf.make_train_step(model_loss, autocast=42)
   bad = jf.make_train_step(lambda m, b: m(b[0]))  # fails while tracing
   with pytest.raises(TypeError, match="scalar"):
     bad(model, nnx.Optimizer(model, scaled_adam(), wrt=nnx.Param),
@@ -181,18 +179,19 @@ def test_nnx_step_errors():
 def test_linen_mlp_trains_like_the_nnx_mlp():
   rules = jf.mixed_rules("float16")  # as the NNX MLP case above: cache hit
   batch = tm.mlp_batch()
-  nnx_model = tm.MLP(nnx.Rngs(0))
+  nnx_model = tm.mlp()
   # Copies: the linen step donates its state's buffers.
-  params = jax.tree_util.tree_map(jnp.copy,
-                                  tm.nnx_mlp_params_as_linen(nnx_model))
+  params = jax.tree_util.tree_map(
+      jnp.copy, models.linen_params_from_nnx(nnx_model)["params"])
   jf.set_policies(nnx_model, rules)
   optimizer = nnx.Optimizer(nnx_model, TX_F16, wrt=nnx.Param)
   nnx_step = NNX_STEP
 
   state = jf.TrainState.create(
-      apply_fn=jf.policied_apply(tm.LinenMLP(), rules), params=params,
+      apply_fn=jf.policied_apply(tm.linen_mlp(), rules), params=params,
       tx=scaled_adam())
-  linen_step = jf.make_linen_train_step(linen_loss)
+  linen_step = jf.make_linen_train_step(model_loss,
+                                        compiler_options=FAST_COMPILE)
 
   nnx_losses, linen_losses = [], []
   for _ in range(8):
@@ -208,21 +207,21 @@ def test_linen_mlp_trains_like_the_nnx_mlp():
 
 def test_linen_resnet_trains_and_skipped_steps_keep_batch_stats():
   rules = jf.mixed_rules("float16")
-  module = tm.LinenResNet(depth=1)
+  module = tm.linen_resnet()
   x, y = tm.image_batch()
-  variables = jf.init_with_policies(module, rules, jax.random.key(0), x)
+  variables = tm.linen_init(module, x)
   initial_stats = host(variables["batch_stats"])
   state = jf.TrainState.create(
       apply_fn=jf.policied_apply(module, rules), params=variables["params"],
       tx=scaled_adam(), batch_stats=variables["batch_stats"])
-  step = jf.make_linen_train_step(linen_loss)
+  step = jf.make_linen_train_step(model_loss, compiler_options=FAST_COMPILE)
 
   losses = []
   for _ in range(8):
     old_stats = state.batch_stats
     state, metrics = step(state, (x, y))
     losses.append(float(metrics["loss"]))
-    assert old_stats["bn"]["mean"].is_deleted()  # donated
+    assert old_stats["stem_bn"]["mean"].is_deleted()  # donated
   assert losses[-1] < 0.9 * losses[0], losses
   assert leaves_dtypes(state.params) == leaves_dtypes(state.batch_stats) == {
       F32}
@@ -237,13 +236,13 @@ def test_linen_resnet_trains_and_skipped_steps_keep_batch_stats():
 
 
 def test_linen_step_without_mutable_collections_and_with_autocast():
-  module = tm.LinenMLP()
+  module = tm.linen_mlp()
   x, y = tm.mlp_batch()
-  params = module.init(jax.random.key(0), x)["params"]
+  params = tm.linen_init(module, x)["params"]
   state = jf.TrainState.create(apply_fn=module.apply, params=params,
                                tx=scaled_adam())
-  step = jf.make_linen_train_step(linen_loss, autocast="bfloat16",
-                                  donate=False)
+  step = jf.make_linen_train_step(model_loss, autocast="bfloat16",
+                                  donate=False, compiler_options=FAST_COMPILE)
   report = jmp_amp.matmul_report(step, state, (x, y))
   assert len(report) >= 8 and report.all_inputs_in("bf16"), str(report)
   first = None

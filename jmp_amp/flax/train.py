@@ -14,7 +14,7 @@ in JAX, with a policied NNX model (or ``autocast="float16"`` instead of
     opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
         optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0 ** 15)), wrt=nnx.Param)
     step = jmp_amp.flax.make_train_step(lambda m, b: loss_fn(m(b[0]), b[1]))
-    metrics = step(model, opt, (input, target))  # jitted, donates model+opt
+    metrics = step(model, opt, (input, target))  # jitted; updates in place
 
 The step scales the loss by the optimizer's current loss scale, takes the
 gradients, and lets `jmp_amp.loss_scaling` unscale them, skip the update if
@@ -145,12 +145,19 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
                     wrt: Any = nnx.Param,
                     revert_on_skip: Any = nnx.BatchStat,
                     donate: bool = True,
-                    jit: bool = True) -> Callable[..., dict[str, jax.Array]]:
+                    jit: bool = True,
+                    compiler_options: Optional[dict[str, Any]] = None,
+                    ) -> Callable[..., dict[str, jax.Array]]:
   """Builds ``step(model, optimizer, batch) -> metrics`` for Flax NNX.
 
   The model and `nnx.Optimizer` are updated in place (their buffers are
   donated to the jitted step unless ``donate=False``). The optimizer's
   transformation must contain `jmp_amp.loss_scaling`.
+
+  The jitted step splits ``(model, optimizer)`` into a graph definition
+  (static: equal models share one compilation) and a state pytree, runs a
+  `jax.jit`-compiled pure step on the state and writes the result back; it has
+  a ``lower(model, optimizer, batch)`` method, for `jmp_amp.matmul_report`.
 
   Example:
     >>> def loss_fn(model, batch):
@@ -176,7 +183,10 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       statistics; `nnx.Not(nnx.RngState)` for all but the RNG counters,
       `nnx.Nothing` for none).
     donate: donate the model's and optimizer's buffers.
-    jit: wrap the step in `nnx.jit`.
+    jit: compile the step; False returns the plain function, to call inside
+      your own `jax.jit` / `nnx.jit`.
+    compiler_options: XLA options for `jax.jit`, e.g.
+      ``{"xla_backend_optimization_level": 0}`` for faster compiles.
 
   Returns:
     The step function.
@@ -186,9 +196,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
   hook = _autocast_hook(autocast)
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    if not isinstance(optimizer, nnx.Optimizer):
-      raise TypeError("make_train_step's step takes (model, optimizer, batch) "
-                      f"with an nnx.Optimizer, got {type(optimizer).__name__}")
+    _check_optimizer(optimizer)
     graphdef, params, rest = nnx.split(model, wrt, ...)
     opt_state = nnx.as_pure(optimizer.opt_state)
     loss_scale = jmp_amp.get_loss_scale(opt_state)
@@ -219,7 +227,43 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
   if not jit:
     return step
-  return nnx.jit(step, donate_argnums=(0, 1) if donate else None)
+  return _jit_nnx_step(step, donate=donate, compiler_options=compiler_options)
+
+
+def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
+                  compiler_options: Optional[dict[str, Any]]):
+  """`step(model, optimizer, batch)` as a jax.jit over their split state."""
+
+  def pure(graphdef, state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    metrics = step(model, optimizer, batch)
+    return nnx.state((model, optimizer)), metrics
+
+  jitted = jax.jit(pure, static_argnums=0,
+                   donate_argnums=(1,) if donate else (),
+                   compiler_options=compiler_options)
+
+  @functools.wraps(step)
+  def run(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
+    _check_optimizer(optimizer)
+    graphdef, state = nnx.split((model, optimizer))
+    new_state, metrics = jitted(graphdef, state, batch)
+    nnx.update((model, optimizer), new_state)
+    return metrics
+
+  def lower(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
+    _check_optimizer(optimizer)
+    graphdef, state = nnx.split((model, optimizer))
+    return jitted.lower(graphdef, state, batch)
+
+  run.lower = lower
+  return run
+
+
+def _check_optimizer(optimizer: Any) -> None:
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError("make_train_step's step takes (model, optimizer, batch) "
+                    f"with an nnx.Optimizer, got {type(optimizer).__name__}")
 
 
 # --------------------------------------------------------------------------
@@ -233,7 +277,9 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
                           mutable: Sequence[str] = ("batch_stats",),
                           revert_on_skip: bool = True,
                           donate: bool = True,
-                          jit: bool = True) -> Callable[..., Any]:
+                          jit: bool = True,
+                          compiler_options: Optional[dict[str, Any]] = None,
+                          ) -> Callable[..., Any]:
   """Builds ``step(state, batch) -> (state, metrics)`` for a linen TrainState.
 
   `state` is a `flax.training.train_state.TrainState` (or subclass, e.g.
@@ -261,6 +307,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     revert_on_skip: keep the previous collections on a skipped step.
     donate: donate the state's buffers.
     jit: wrap the step in `jax.jit`.
+    compiler_options: XLA options for `jax.jit`.
 
   Returns:
     The step function.
@@ -309,4 +356,5 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  return jax.jit(step, donate_argnums=(0,) if donate else (),
+                 compiler_options=compiler_options)
