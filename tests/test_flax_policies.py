@@ -189,6 +189,23 @@ def test_nnx_default_mixed_rules(name, compute):
       assert policies[path].compute_dtype == half, path
 
 
+def test_norms_take_half_inputs_and_compute_and_return_float32():
+  resnet = jf.set_policies(tm.resnet(), jf.mixed_rules("float16"))
+  gpt = jf.set_policies(tm.gpt(), jf.mixed_rules("float16"))
+  apply = lambda m, x: (m(x), nnx.state(m, nnx.BatchStat))
+  out, stats = nnx.eval_shape(apply, resnet.stem_bn,
+                              jnp.ones((2, 4, 4, 8), jnp.float16))
+  assert out.dtype == F32 and param_dtypes(stats) == {F32}
+  assert resnet.stem_bn.dtype == F32 and resnet.stem_bn.promote_dtype
+  out, _ = nnx.eval_shape(apply, gpt.blocks[0].ln1,
+                          jnp.ones((2, 3, tm.WIDTH), jnp.float16))
+  assert out.dtype == F32
+  # ... and the next layer takes float16 again.
+  out, _ = nnx.eval_shape(apply, gpt.blocks[0].attn.qkv,
+                          jnp.ones((2, 3, tm.WIDTH), F32))
+  assert out.dtype == HALF["float16"]
+
+
 @pytest.mark.parametrize("name", list(NNX_MODELS))
 def test_nnx_float32_policy_matches_unpoliced_bit_for_bit(name):
   build, make_input = NNX_MODELS[name]

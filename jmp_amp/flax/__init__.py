@@ -1,5 +1,19 @@
 """Flax integration: per-module precision policies and mixed-precision steps.
 
+* Rules (`jmp_amp.flax.rules`): ``{module class or path glob: policy}``,
+  first match wins, ``"*"`` the default; `mixed_rules` pins norms to float32.
+* NNX: `set_policies(model, rules)` in place; `policy_of`, `get_policies`,
+  `clear_policies`.
+* linen: `linen_policies(rules)` context, `init_with_policies`,
+  `apply_with_policies`, `policied_apply` (a TrainState ``apply_fn``).
+* Train steps (`jmp_amp.flax.train`): `make_train_step` (NNX + nnx.Optimizer),
+  `make_linen_train_step` (TrainState), with `jmp_amp.loss_scaling`.
+
+Example:
+  >>> jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("float16"))
+  >>> step = jmp_amp.flax.make_train_step(lambda m, b: loss_fn(m(b[0]), b[1]))
+  >>> metrics = step(model, optimizer, (x, y))
+
 Not imported by `import jmp_amp`, so the core stays free of Flax.
 """
 

@@ -31,12 +31,12 @@ instead (``self.embed.attend(x)``); a module shared between two places gets
 the policy of its first path.
 
 Example:
-  >>> model = MLP(rngs=nnx.Rngs(0))
+  >>> model = models.ResNet(rngs=nnx.Rngs(0))
   >>> set_policies(model, jmp_amp.flax.mixed_rules("bfloat16"))
   >>> model(x).dtype
   dtype(bfloat16)
-  >>> get_policies(model)["head"]
-  Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=bfloat16)
+  >>> str(get_policies(model)["stem_bn"]), model.stem.kernel[...].dtype
+  ('p=f32,c=f32,o=f32', dtype('float32'))
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def policy_of(module: nnx.Module) -> Optional[Policy]:
   """The policy `set_policies` gave `module`, or None.
 
   Example:
-    >>> policy_of(model.norm)
-    Policy(param_dtype=float32, compute_dtype=float32, output_dtype=float32)
+    >>> str(policy_of(model.stem_bn))
+    'p=f32,c=f32,o=f32'
   """
   if not isinstance(module, nnx.Module):
     raise TypeError(f"policy_of expects an nnx.Module, got "
@@ -166,13 +166,18 @@ def get_policies(model: nnx.Module) -> dict[str, Optional[Policy]]:
 
   Example:
     >>> {p: str(pol) for p, pol in get_policies(model).items()}
-    {'': 'p=f32,c=bf16,o=bf16', 'norm': 'p=f32,c=f32,o=f32', ...}
+    {'': 'p=f32,c=bf16,o=bf16', 'stem_bn': 'p=f32,c=f32,o=f32', ...}
   """
   return {_path_str(p): policy_of(m) for p, m in _modules(model)}
 
 
 def clear_policies(model: M) -> M:
-  """Undoes `set_policies`: original classes and knobs (params keep dtype)."""
+  """Undoes `set_policies`: original classes and knobs (params keep dtype).
+
+  Example:
+    >>> clear_policies(model); type(model.head) is nnx.Linear
+    True
+  """
   for _, module in _modules(model):
     _remove(module)
   return model

@@ -1,36 +1,51 @@
 """Mixed-precision train steps for Flax NNX and linen.
 
-PyTorch's recipe::
+PyTorch's AMP recipe, per step::
 
-    with torch.autocast("cuda", dtype=torch.float16):
-      output = net(input); loss = loss_fn(output, target)
+    with torch.autocast(device_type="cuda", dtype=torch.float16):
+      output = net(input)
+      loss = loss_fn(output, target)
     scaler.scale(loss).backward()
-    scaler.step(opt); scaler.update()
+    scaler.step(opt)
+    scaler.update()
 
-in JAX, with a policied NNX model (or ``autocast="float16"`` instead of
-`set_policies`, for torch's op-level autocast)::
+is, with Flax NNX (three lines of set-up, one per step)::
 
-    jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("float16"))
-    opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
-        optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0 ** 15)), wrt=nnx.Param)
-    step = jmp_amp.flax.make_train_step(lambda m, b: loss_fn(m(b[0]), b[1]))
-    metrics = step(model, opt, (input, target))  # jitted; updates in place
+    jmp_amp.flax.set_policies(net, jmp_amp.flax.mixed_rules("float16"))
+    opt = nnx.Optimizer(net, jmp_amp.loss_scaling(
+        optax.sgd(1e-3), jmp_amp.DynamicLossScale(2.0 ** 15)), wrt=nnx.Param)
+    step = jmp_amp.flax.make_train_step(lambda net, b: loss_fn(net(b[0]), b[1]))
 
-The step scales the loss by the optimizer's current loss scale, takes the
-gradients, and lets `jmp_amp.loss_scaling` unscale them, skip the update if
-any is inf/NaN and adjust the scale. On a skipped step nothing in the model
-changes: the params are left alone by `loss_scaling`, and the step also
-reverts the BatchNorm statistics (``revert_on_skip``) that the forward pass of
-the overflowing step computed. The loss scale still adjusts.
+    metrics = step(net, opt, (input, target))
 
-Both steps take ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with
-``has_aux=True``): `model` is the NNX module itself, or for linen a callable
-``model(*args, **kwargs)`` that runs ``state.apply_fn`` on the current params
-(handling mutable collections such as ``batch_stats``). The loss is computed
-in whatever dtype `loss_fn` returns and cast to float32; cast half-precision
-logits to float32 before a softmax cross-entropy, or use ``autocast=``.
+`set_policies` plays the part of `torch.autocast` module by module (norms in
+float32); ``make_train_step(..., autocast="float16")`` without it is
+torch's op-level autocast instead. `loss_scaling` is the `GradScaler`. The
+step is jitted and updates `net` and `opt` in place, donating their buffers.
+With linen::
 
-The metrics are float32 ``loss`` (unscaled), ``loss_scale`` (after this step's
+    state = jmp_amp.flax.TrainState.create(
+        apply_fn=jmp_amp.flax.policied_apply(net, rules), params=params,
+        tx=tx, batch_stats=batch_stats)
+    step = jmp_amp.flax.make_linen_train_step(
+        lambda net, b: loss_fn(net(b[0], train=True), b[1]))
+    state, metrics = step(state, (input, target))
+
+Each step scales the loss by the optimizer's current loss scale, takes the
+gradients and lets `jmp_amp.loss_scaling` unscale them, skip the update if
+any is inf/NaN and adjust the scale. A skipped step changes nothing in the
+model: `loss_scaling` leaves the params and optimizer state alone, and the
+step puts back the BatchNorm statistics (``revert_on_skip``) that the
+overflowing forward pass computed; only the loss scale moves.
+
+``loss_fn(net, batch)`` returns the loss (or ``(loss, aux)`` with
+``has_aux=True``): `net` is the NNX module itself, or for linen a callable
+``net(*args, **kwargs)`` that runs ``state.apply_fn`` on the current params
+and mutable collections (``batch_stats``). Compute the loss from float32
+logits (``logits.astype(jnp.float32)``, or ``mixed_rules(model_output=
+"float32")``); the returned loss is cast to float32.
+
+The metrics: ``loss`` (float32, unscaled), ``loss_scale`` (after this step's
 adjustment), ``grads_finite``, ``skipped_steps``, ``steps`` and, with
 ``has_aux``, ``aux``.
 """
@@ -41,7 +56,6 @@ import functools
 from typing import Any, Callable, Optional, Sequence, Union
 
 from flax import nnx
-from flax import struct
 from flax.training import train_state
 import jax
 import jax.numpy as jnp
