@@ -74,7 +74,9 @@ def test_import_jmp_amp_does_not_import_flax():
   code = ("import sys, jmp_amp; "
           "assert not any(m == 'flax' or m.startswith('flax.') "
           "for m in sys.modules), 'flax imported'")
-  subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
 
 
 def test_mixed_rules_pins_norms_to_float32_and_defaults_to_compute():
