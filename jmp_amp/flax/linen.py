@@ -51,9 +51,9 @@ import numpy as np
 
 import jmp_amp
 from jmp_amp import Policy
+from jmp_amp.flax import _common
 from jmp_amp.flax import rules as rules_lib
 
-_HALF = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _EXTRA_METHODS: dict[type, tuple[str, ...]] = {nn.Embed: ("attend",)}
 _MATMUL_KNOBS = (
     ("dot_general", jmp_amp.dot_general),
@@ -94,7 +94,8 @@ class _Policies:
     if not _STATE.stack or _STATE.stack[-1] is not self:
       return next_fun(*args, **kwargs)
     module = context.module
-    if context.method_name not in _methods_to_wrap(type(module)):
+    if context.method_name not in _common.methods_to_wrap(type(module),
+                                                          _EXTRA_METHODS):
       return next_fun(*args, **kwargs)
     policy = self.resolve(module).policy
     if policy is None:
@@ -105,44 +106,15 @@ class _Policies:
     return _cast_arrays(out, policy.output_dtype)
 
 
-def _methods_to_wrap(cls: type) -> tuple[str, ...]:
-  extra = tuple(m for base, ms in _EXTRA_METHODS.items()
-                if issubclass(cls, base) for m in ms)
-  return ("__call__",) + extra
-
-
-def _is_float_array(x: Any) -> bool:
-  return (isinstance(x, (jax.Array, np.ndarray))
-          and jnp.issubdtype(x.dtype, jnp.floating))
-
-
-def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
-  def cast(x):
-    if _is_float_array(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
-  return jax.tree_util.tree_map(
-      cast, tree, is_leaf=lambda x: isinstance(x, nn.Module))
-
-
-def _is_dtype_knob(value: Any) -> bool:
-  if value is None:
-    return True
-  try:
-    return jnp.issubdtype(value, jnp.floating)
-  except TypeError:
-    return False
-
-
 @contextlib.contextmanager
 def _knobs(module: nn.Module, policy: Policy):
   fields = getattr(type(module), "__dataclass_fields__", {})
   changes = {}
-  if "dtype" in fields and _is_dtype_knob(module.dtype):
+  if "dtype" in fields and _common.is_dtype_knob(module.dtype):
     changes["dtype"] = policy.compute_dtype
-  if "param_dtype" in fields and _is_dtype_knob(module.param_dtype):
+  if "param_dtype" in fields and _common.is_dtype_knob(module.param_dtype):
     changes["param_dtype"] = policy.param_dtype
-  if policy.compute_dtype in _HALF:
+  if policy.compute_dtype in _common.HALF:
     for name, replacement in _MATMUL_KNOBS:
       if (name in fields and getattr(module, name) is None
           and getattr(module, name + "_cls", None) is None):
@@ -268,3 +240,7 @@ def policied_apply(module: nn.Module, rules: Any, *, strict: bool = False
     return apply_with_policies(module, rules, variables, *args,
                                strict=strict, **kwargs)
   return apply_fn
+
+
+def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
+  return _common.cast_arrays(tree, dtype, (nn.Module,))

@@ -55,13 +55,13 @@ import numpy as np
 
 import jmp_amp
 from jmp_amp import Policy
+from jmp_amp.flax import _common
 from jmp_amp.flax import rules as rules_lib
 
 M = TypeVar("M", bound=nnx.Module)
 
 _POLICY_ATTR = "_jmp_amp_policy"
 _KNOBS_ATTR = "_jmp_amp_knobs"
-_HALF = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 # Methods wrapped besides __call__: Embed.attend is the tied output head.
 _EXTRA_METHODS: dict[type, tuple[str, ...]] = {nnx.Embed: ("attend",)}
@@ -247,11 +247,11 @@ def _apply(module: nnx.Module, policy: Optional[Policy]) -> None:
     originals[name] = attrs[name]
     setattr(module, name, value)
 
-  if _is_dtype_knob(attrs.get("dtype", 0)):
+  if _common.is_dtype_knob(attrs.get("dtype", 0)):
     set_knob("dtype", policy.compute_dtype)
-  if _is_dtype_knob(attrs.get("param_dtype", 0)):
+  if _common.is_dtype_knob(attrs.get("param_dtype", 0)):
     set_knob("param_dtype", policy.param_dtype)
-  if policy.compute_dtype in _HALF:
+  if policy.compute_dtype in _common.HALF:
     for name, defaults, replacement in _MATMUL_KNOBS:
       if (name in attrs and any(attrs[name] is d for d in defaults)
           and attrs.get(name + "_cls") is None):
@@ -259,7 +259,7 @@ def _apply(module: nnx.Module, policy: Optional[Policy]) -> None:
 
   for param in _own_params(module):
     value = param.get_value()
-    if _is_float_array(value) and value.dtype != policy.param_dtype:
+    if _common.is_float_array(value) and value.dtype != policy.param_dtype:
       param.set_value(value.astype(policy.param_dtype))
 
   setattr(module, _POLICY_ATTR, policy)
@@ -281,20 +281,6 @@ def _remove(module: nnx.Module) -> None:
     object.__setattr__(module, "__class__", base)
 
 
-def _is_dtype_knob(value: Any) -> bool:
-  if value is None:
-    return True
-  try:
-    return jnp.issubdtype(value, jnp.floating)
-  except TypeError:
-    return False
-
-
-def _is_float_array(x: Any) -> bool:
-  return (isinstance(x, (jax.Array, np.ndarray))
-          and jnp.issubdtype(x.dtype, jnp.floating))
-
-
 # --------------------------------------------------------------------------
 # The boundary-casting subclasses.
 
@@ -302,9 +288,7 @@ _SUBCLASSES: dict[type, type] = {}
 
 
 def _methods_to_wrap(cls: type) -> tuple[str, ...]:
-  extra = tuple(m for base, ms in _EXTRA_METHODS.items()
-                if issubclass(cls, base) for m in ms)
-  return ("__call__",) + extra
+  return _common.methods_to_wrap(cls, _EXTRA_METHODS)
 
 
 def _defines(cls: type, method: str) -> bool:
@@ -319,12 +303,7 @@ def _has_wrappable_method(cls: type) -> bool:
 
 def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
   """Casts floating array leaves; graph nodes (modules, Rngs) pass through."""
-  def cast(x):
-    if _is_float_array(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
-  return jax.tree_util.tree_map(
-      cast, tree, is_leaf=lambda x: isinstance(x, (nnx.Pytree, nnx.Variable)))
+  return _common.cast_arrays(tree, dtype, (nnx.Pytree, nnx.Variable))
 
 
 @contextlib.contextmanager
@@ -335,7 +314,7 @@ def _params_in(module: nnx.Module, dtype: np.dtype):
     for param in _own_params(module):
       raw = param.get_raw_value()
       value = param.get_value()
-      if _is_float_array(value) and value.dtype != dtype:
+      if _common.is_float_array(value) and value.dtype != dtype:
         saved.append((param, raw))
         # Restored below, so bypassing the trace-level check leaks nothing.
         param.set_raw_value(value.astype(dtype), _unsafe_bypass_check=True)
