@@ -44,9 +44,7 @@ import threading
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
-import jax
 from jax import lax
-import jax.numpy as jnp
 import numpy as np
 
 import jmp_amp

@@ -48,7 +48,6 @@ import types
 from typing import Any, Iterator, Optional, TypeVar
 
 from flax import nnx
-import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
