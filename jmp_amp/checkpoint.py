@@ -15,12 +15,12 @@ be *the same run*:
 Example:
   >>> from jmp_amp import checkpoint
   >>> state = {"params": params, "opt_state": opt_state}
-  >>> checkpoint.save("/tmp/run", state, step=100)
-  >>> state = checkpoint.restore("/tmp/run", target=state)  # latest step
+  >>> checkpoint.save("checkpoints/run", state, step=100)
+  >>> state = checkpoint.restore("checkpoints/run", target=state)  # latest step
 
 or, to keep the last few checkpoints of a run::
 
-  >>> with checkpoint.CheckpointManager("/tmp/run", max_to_keep=3) as mngr:
+  >>> with checkpoint.CheckpointManager("checkpoints/run", max_to_keep=3) as mngr:
   ...   mngr.save(step, state)
   ...   state = mngr.restore(state)
 
