@@ -495,3 +495,17 @@ def test_linen_and_nnx_mlp_give_the_same_loss_under_a_policy():
   assert nnx_out.dtype == linen_out.dtype == F32
   np.testing.assert_array_equal(models.mse_loss(nnx_out, y),
                                 models.mse_loss(linen_out, y))
+
+
+def test_matmul_report_on_a_user_module_follows_its_policies():
+  # A model class defined outside flax (models.MLP) is still lowered through
+  # nnx.jit, so a report after set_policies is neither stale nor an error.
+  import models
+  model = models.MLP(8, 4, width=16,
+                     rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
+  x = jnp.ones((2, 8))
+  before = jmp_amp.matmul_report(model, x)
+  assert before.input_dtypes() == {"f32"}
+  jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("bfloat16"))
+  after = jmp_amp.matmul_report(model, x)
+  assert after.input_dtypes() == {"bf16"} and len(after) == 3

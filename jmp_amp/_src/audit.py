@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import os
 import re
+import sys
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import jax
@@ -334,7 +335,10 @@ def _compiled_text(compiled: Any) -> str:
 
 
 def _from_flax(x: Any) -> bool:
-  return type(x).__module__.split(".")[0] == "flax"
+  # User models subclass flax classes from their own modules: check the MRO.
+  # Nothing can come from flax before flax is imported.
+  return "flax" in sys.modules and any(
+      c.__module__.split(".")[0] == "flax" for c in type(x).__mro__)
 
 
 def _is_flax_graph_node(x: Any) -> bool:
