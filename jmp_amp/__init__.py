@@ -30,6 +30,7 @@ from jmp_amp._src.scaling import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import cast_floating
 from jmp_amp._src.tree import select_tree
+from jmp_amp._src.tree import where_tree
 
 __version__ = "0.1.0"
 
@@ -59,4 +60,5 @@ __all__ = (
     "matmul_report",
     "scaling_metrics",
     "select_tree",
+    "where_tree",
 )

@@ -197,3 +197,14 @@ def test_bad_arguments_raise_clear_errors(small_params):
   twice = optax.chain(opt, opt)
   with pytest.raises(ValueError, match="Found 2 loss_scaling states"):
     jmp_amp.get_loss_scale(twice.init(small_params))
+
+
+def test_where_tree_keeps_the_dtypes_of_the_old_tree():
+  old = {"w": jnp.ones(2, jnp.bfloat16), "n": jnp.zeros((), jnp.int32)}
+  new = {"w": jnp.full(2, 3.0, jnp.float32), "n": 5}
+  kept = jmp_amp.where_tree(jnp.bool_(False), new, old)
+  taken = jmp_amp.where_tree(jnp.bool_(True), new, old)
+  assert tree_bytes_equal(kept, old)
+  assert taken["w"].dtype == jnp.bfloat16 and taken["n"].dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(taken["w"], np.float32), [3.0, 3.0])
+  assert int(taken["n"]) == 5

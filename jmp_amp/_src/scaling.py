@@ -12,6 +12,7 @@ import optax
 
 from jmp_amp._src import loss_scale as ls_lib
 from jmp_amp._src.tree import all_finite
+from jmp_amp._src.tree import where_tree
 
 
 class LossScalingState(NamedTuple):
@@ -127,7 +128,7 @@ def loss_scaling(inner: optax.GradientTransformation,
       # the discarded branch's NaNs never reach the returned state.
       new_updates = jax.tree_util.tree_map(
           lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-      new_inner = _select_state(finite, new_inner, state.inner_state)
+      new_inner = where_tree(finite, new_inner, state.inner_state)
     return new_updates, LossScalingState(
         loss_scale=state.loss_scale.adjust(finite),
         inner_state=new_inner,
@@ -144,13 +145,6 @@ def _strong_array(x):
   # recompile of the train step.
   x = jnp.asarray(x)
   return jnp.asarray(x, dtype=x.dtype)
-
-
-def _select_state(pred, on_true, on_false):
-  def select(a, b):
-    a, b = jnp.asarray(a), jnp.asarray(b)
-    return jnp.where(pred, a, b).astype(b.dtype)
-  return jax.tree_util.tree_map(select, on_true, on_false)
 
 
 def _check_same_structure(grads, params) -> None:

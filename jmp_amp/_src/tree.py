@@ -50,3 +50,17 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   assert jnp.ndim(pred) == 0 and jnp.result_type(pred) == jnp.bool_, (
       "expected boolean scalar")
   return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)
+
+
+def where_tree(pred: jax.Array, on_true: T, on_false: T) -> T:
+  """`jnp.where(pred, a, b)` leaf by leaf, in the dtypes of `on_false`.
+
+  Unlike `select_tree`, leaves may be Python scalars or differ in dtype (a
+  freshly computed state against the one it replaces); the result keeps the
+  dtypes of `on_false`, so a skipped step cannot retype state.
+  """
+  def select(a, b):
+    b = jnp.asarray(b)
+    return jnp.where(pred, a, b).astype(b.dtype)
+  return jax.tree_util.tree_map(select, on_true, on_false)
+

@@ -136,12 +136,6 @@ def _like(new: Any, old: Any) -> Any:
       treedef, [cast(n, o) for n, o in zip(new_leaves, old_leaves)])
 
 
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  return jax.tree_util.tree_map(
-      lambda a, b: jnp.where(pred, a, b).astype(jnp.asarray(b).dtype),
-      on_true, on_false)
-
-
 def _metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
   metrics = {"loss": loss, **jmp_amp.scaling_metrics(opt_state)}
   if has_aux:
@@ -235,8 +229,8 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     new_rest = _like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
     reverted_old = nnx.filter_state(rest, revert_on_skip)
-    nnx.update(model, kept,
-               _select(metrics["grads_finite"], reverted_new, reverted_old))
+    nnx.update(model, kept, jmp_amp.where_tree(
+        metrics["grads_finite"], reverted_new, reverted_old))
     return metrics
 
   if not jit:
@@ -365,7 +359,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
     new_cols = _like(dict(new_cols), cols)
     if revert_on_skip:
-      new_cols = _select(metrics["grads_finite"], new_cols, cols)
+      new_cols = jmp_amp.where_tree(metrics["grads_finite"], new_cols, cols)
     return state.replace(**new_cols), metrics
 
   if not jit:
