@@ -75,7 +75,7 @@ from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
 
 _F32 = np.dtype(np.float32)
-_HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+_HALF_DTYPES = dtypes.HALF_DTYPES
 
 PrimitiveLike = Union[str, jex_core.Primitive]
 

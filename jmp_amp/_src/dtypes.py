@@ -17,6 +17,8 @@ _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
 }
 _NAME_TO_DTYPE = {n: dt for dt, names in _DTYPE_NAMES.items() for n in names}
 ACCEPTED_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
+# The half-precision dtypes whose matmuls accumulate in float32 (the one table).
+HALF_DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def half_dtype() -> np.dtype:

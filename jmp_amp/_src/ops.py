@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-_HALF = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+from jmp_amp._src.dtypes import HALF_DTYPES
 
 
 def _freeze(value: Any) -> Any:
@@ -33,7 +33,7 @@ def _freeze(value: Any) -> Any:
 
 
 def _half_operands(lhs: jax.Array, rhs: jax.Array) -> bool:
-  return lhs.dtype == rhs.dtype and np.dtype(lhs.dtype) in _HALF
+  return lhs.dtype == rhs.dtype and np.dtype(lhs.dtype) in HALF_DTYPES
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HALF = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+from jmp_amp._src.dtypes import HALF_DTYPES as HALF
 
 
 def is_dtype_knob(value: Any) -> bool:
