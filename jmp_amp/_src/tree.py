@@ -23,13 +23,16 @@ def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
   return x
 
 
-def cast_floating(tree: T, dtype: Any) -> T:
+def cast_floating(tree: T, dtype: Any, is_leaf=None) -> T:
   """Casts the floating-point array leaves of `tree` to `dtype`.
 
   Integer, boolean and PRNG-key arrays, and leaves that are not arrays
-  (Python scalars, strings, objects), are returned untouched.
+  (Python scalars, strings, objects), are returned untouched. `is_leaf` is
+  passed to `jax.tree_util.tree_map`: subtrees it marks pass through whole
+  unless they are themselves floating arrays.
   """
-  return jax.tree_util.tree_map(functools.partial(_cast_leaf, dtype=dtype), tree)
+  return jax.tree_util.tree_map(functools.partial(_cast_leaf, dtype=dtype),
+                                tree, is_leaf=is_leaf)
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_amp._src.dtypes import HALF_DTYPES as HALF
+from jmp_amp._src.tree import cast_floating
 
 
 def is_dtype_knob(value: Any) -> bool:
@@ -28,12 +29,7 @@ def is_float_array(x: Any) -> bool:
 
 def cast_arrays(tree: Any, dtype: np.dtype, opaque: tuple[type, ...]) -> Any:
   """Casts floating array leaves; instances of `opaque` pass through whole."""
-  def cast(x):
-    if is_float_array(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
-  return jax.tree_util.tree_map(cast, tree,
-                                is_leaf=lambda x: isinstance(x, opaque))
+  return cast_floating(tree, dtype, is_leaf=lambda x: isinstance(x, opaque))
 
 
 def methods_to_wrap(cls: type,
