@@ -433,6 +433,34 @@ def _unreadable_json(step_dir: str) -> Optional[str]:
   return None
 
 
+def _metadata_problem(meta: Any) -> Optional[str]:
+  """What is wrong with a metadata JSON read back (bytes flipped in a way
+  that still parses), or None."""
+  if not isinstance(meta, dict):
+    return f"expected a JSON object, got {type(meta).__name__}"
+  if meta.get("format") not in _READABLE_FORMATS:
+    return f"unknown format {meta.get('format')!r}"
+  leaves, scales = meta.get("leaves"), meta.get("loss_scales")
+  if not isinstance(leaves, dict) or not isinstance(scales, dict):
+    return "no 'leaves' / 'loss_scales' tables"
+  for name, spec in leaves.items():
+    if not (isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
+            and isinstance(spec.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in spec["shape"])):
+      return f"bad leaf entry {name}: {spec!r}"
+  for name, spec in scales.items():
+    if not (isinstance(spec, dict) and isinstance(spec.get("type"), str)):
+      return f"bad loss scale entry {name}: {spec!r}"
+  sums = meta.get("checksums")
+  if sums is not None and not (
+      isinstance(sums, dict) and isinstance(sums.get("arrays"), dict)
+      and all(isinstance(v, str) for v in sums["arrays"].values())):
+    return "bad 'checksums' table"
+  if meta["format"] == _FORMAT and sums is None:
+    return "no 'checksums' table"
+  return None
+
+
 class CheckpointManager:
   """`ocp.CheckpointManager` that saves and checks loss-scale metadata.
 
@@ -464,7 +492,12 @@ class CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
         create=True, enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(directory, options=options)
+    # Registered up front so that `item_metadata` can read plain orbax
+    # checkpoints too (verify=False).
+    self._manager = ocp.CheckpointManager(
+        directory, options=options, item_handlers={
+            _STATE: ocp.StandardCheckpointHandler(),
+            _META: ocp.JsonCheckpointHandler()})
     self.restored_step: Optional[int] = None
 
   @property
@@ -524,9 +557,11 @@ class CheckpointManager:
                  where: Optional[str] = None) -> CheckpointCorruptedError:
     step_dir = self._step_dir(step)
     if where is None:
-      found = re.search(re.escape(step_dir + os.sep) + r"[^\s\"']+", str(error))
+      # tensorstore names the step's directory and then the file it read.
+      found = re.findall(re.escape(step_dir + os.sep) + r"[^\s\"']+",
+                         str(error))
       if found:
-        where = os.path.relpath(found.group(0), step_dir)
+        where = os.path.relpath(max(found, key=len), step_dir)
       else:
         where = _unreadable_json(step_dir)
     where_text = f", file {where}" if where else ""
@@ -555,11 +590,12 @@ class CheckpointManager:
       meta = restored[_META]
     except Exception as e:  # pylint: disable=broad-except
       raise self._corrupted(step, e) from e
-    if not isinstance(meta, dict) or meta.get("format") not in _READABLE_FORMATS:
+    problem = _metadata_problem(meta)
+    if problem:
       raise CheckpointCorruptedError(
-          f"checkpoint step {step} in {self.directory}: unknown metadata "
-          f"format {meta.get('format') if isinstance(meta, dict) else meta!r}",
-          step=step, where=f"{_META}/metadata")
+          f"checkpoint step {step} in {self.directory}: damaged metadata "
+          f"(file {_META}/metadata): {problem}", step=step,
+          where=f"{_META}/metadata")
     return meta
 
   def restore(self, target: Any, step: Optional[int] = None, *,
@@ -680,7 +716,7 @@ class CheckpointManager:
   def _check_orbax_structure(self, step: int, saveable: Any) -> None:
     """Without jmp_amp metadata: the target's paths against orbax's."""
     try:
-      tree = self._manager.item_metadata(step)[_STATE].tree
+      tree = self._manager.metadata(step).item_metadata[_STATE].tree
     except Exception as e:  # pylint: disable=broad-except
       raise self._corrupted(step, e) from e
 
