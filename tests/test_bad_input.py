@@ -278,6 +278,27 @@ def test_checkpoint_other_optimizer(saved):
           r"target: \['opt_state'\]")
 
 
+def test_checkpoint_save_over_existing_step(saved):
+  checkpoint, path, state = saved
+  _raises(lambda: checkpoint.save(path, state, step=3),
+          checkpoint.CheckpointExistsError,
+          r"cannot save checkpoint step 3 in .*: step 3 already exists\. "
+          r"Pass overwrite=True")
+  _raises(lambda: checkpoint.save(path, state, step=2),
+          checkpoint.CheckpointExistsError,
+          r"step 2 is below the latest step 3")
+
+
+def test_checkpoint_damaged_metadata(saved):
+  checkpoint, path, state = saved
+  meta = path / "3" / "jmp_amp" / "metadata"
+  meta.write_bytes(meta.read_bytes()[:-20])  # truncated JSON
+  _raises(lambda: checkpoint.restore(path, state),
+          checkpoint.CheckpointCorruptedError,
+          r"checkpoint step 3 in .* is damaged or incomplete, file "
+          r"jmp_amp/metadata: JSONDecodeError")
+
+
 # --------------------------------------------------------------------------
 # Fault-injection helpers.
 
