@@ -331,6 +331,19 @@ def _update_nnx_objects(target: Any, restored: Any) -> Any:
   return jax.tree_util.tree_map(put, target, restored, is_leaf=is_obj)
 
 
+def _nnx_copies(target: Any, restored: Any) -> Any:
+  """`restored` with NNX states merged into new objects (the target's
+  untouched), where the loss scales can be found and checked."""
+  pytree_type = _nnx_pytree_type()
+  if pytree_type is None:
+    return restored
+  nnx = sys.modules["flax.nnx"]
+  is_obj = lambda x: isinstance(x, pytree_type)
+  return jax.tree_util.tree_map(
+      lambda t, r: nnx.merge(nnx.split(t)[0], r) if is_obj(t) else r,
+      target, restored, is_leaf=is_obj)
+
+
 def _abstract(target: Any, saved_leaves: Optional[dict[str, Any]]) -> Any:
   """Orbax's restore target: the target's shapes and shardings, and the
   *saved* dtypes (so that checksums are verified before any cast)."""
@@ -684,7 +697,8 @@ class CheckpointManager:
     if cast_dtypes:
       state = _cast_like(state, saveable)
     try:
-      check_loss_scales(state)
+      # Checked before the target's NNX objects are updated in place.
+      check_loss_scales(_nnx_copies(target, state))
     except InvalidLossScaleError as e:
       raise InvalidLossScaleError(
           f"checkpoint step {step} in {self.directory}: {e}", step=step,

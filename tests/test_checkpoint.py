@@ -208,6 +208,19 @@ def test_nnx_model_and_optimizer_resume_in_place(tmp_path):
   assert tree_bytes_equal(m1, m2)
   assert tree_bytes_equal(nnx.state(model), nnx.state(model2))
 
+  # A NaN scale is refused before the target objects are touched.
+  bad = jax.tree_util.tree_map(lambda x: x, opt.opt_state)
+  leaves, treedef = jax.tree_util.tree_flatten(bad.loss_scale)
+  opt.opt_state = bad._replace(loss_scale=jax.tree_util.tree_unflatten(
+      treedef, [jnp.float32(np.nan)] + leaves[1:]))
+  checkpoint.save(tmp_path, {"model": model, "optimizer": opt}, step=4)
+  before = nnx.state(opt2)
+  with pytest.raises(checkpoint.InvalidLossScaleError,
+                     match=r"step 4 .*\['optimizer'\]\.opt_state\.loss_scale: "
+                     r"loss_scale is nan"):
+    checkpoint.restore(tmp_path, {"model": model2, "optimizer": opt2})
+  assert tree_bytes_equal(nnx.state(opt2), before)
+
   # nnx.state() drops the loss scale's hyper-parameters; the optimizer keeps
   # them, and the check sees them.
   model3, opt3 = make(5, period=4)
