@@ -412,6 +412,17 @@ def check_loss_scales(tree: Any) -> None:
       raise InvalidLossScaleError(f"loss scale {name}: {problem}", where=name)
 
 
+def _orbax_paths(tree: Any) -> set[tuple[str, ...]]:
+  """Leaf paths as orbax stores them: every key as a string."""
+  def part(k):
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+  return {tuple(part(k) for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _check_bool(value: Any, name: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be True or False, got "
@@ -673,17 +684,20 @@ class CheckpointManager:
     if verify:
       meta = self.metadata(step)
       check_compatible(meta, target, cast_dtypes=cast_dtypes)
-    else:
-      self._check_orbax_structure(step, saveable)
+    read_as, rebuild = saveable, None
+    if not verify:
+      read_as, rebuild = self._plain_orbax_layout(step, saveable)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**{
           _STATE: ocp.args.StandardRestore(
-              _abstract(saveable, meta and meta["leaves"]))}))
+              _abstract(read_as, meta and meta["leaves"]))}))
       state = restored[_STATE]
     except Exception as e:  # pylint: disable=broad-except
       # tensorstore (NOT_FOUND, OUT_OF_RANGE, DATA_LOSS), JSON and file
       # errors: all mean the files are not what was written.
       raise self._corrupted(step, e) from e
+    if rebuild is not None:
+      state = rebuild(state)
     # Orbax rebuilds the target's containers; make sure none was normalised
     # (e.g. a custom node turned into a dict), which would reorder leaves.
     want_def = jax.tree_util.tree_structure(saveable)
@@ -727,26 +741,53 @@ class CheckpointManager:
             f"not match its checksum ({_CHECKSUM} saved {want}, read {got}); "
             "its data files are damaged", step=step, where=name)
 
-  def _check_orbax_structure(self, step: int, saveable: Any) -> None:
-    """Without jmp_amp metadata: the target's paths against orbax's."""
+  def _plain_orbax_layout(self, step: int, saveable: Any):
+    """Without jmp_amp metadata: how to read the checkpoint into `saveable`.
+
+    Returns ``(tree to restore into, None)`` when orbax's paths match the
+    target's, or ``(tree, rebuild)`` for jmp's layout: a jmp 0.0.4
+    `DynamicLossScale` is stored as its leaves ``[loss_scale, counter]`` by
+    index, read here into jmp_amp's `DynamicLossScale` (``overflows``, which
+    jmp lacks, starts at 0).
+
+    Raises:
+      CheckpointMismatchError: neither layout matches, naming the paths.
+    """
     try:
       tree = self._manager.metadata(step).item_metadata[_STATE].tree
     except Exception as e:  # pylint: disable=broad-except
       raise self._corrupted(step, e) from e
+    saved, want = _orbax_paths(tree), _orbax_paths(saveable)
+    if saved == want:
+      return saveable, None
 
-    def keys(t):
-      return {tuple(str(getattr(k, "key", getattr(k, "idx", getattr(
-          k, "name", k)))) for k in path)
-              for path, _ in jax.tree_util.tree_flatten_with_path(t)[0]}
-    saved, want = keys(tree), keys(saveable)
-    if saved != want:
-      fmt = lambda ks: _listing(["/".join(k) for k in sorted(ks)])
-      msg = "checkpoint does not match the restore target (orbax paths):"
-      if saved - want:
-        msg += f"\n    in the checkpoint, not in the target: {fmt(saved - want)}"
-      if want - saved:
-        msg += f"\n    in the target, not in the checkpoint: {fmt(want - saved)}"
-      raise CheckpointMismatchError(msg)
+    def jmp_leaves(x):
+      if not isinstance(x, ls_lib.DynamicLossScale):
+        return x
+      return tuple(leaf for name, leaf in _named_leaves(x)
+                   if not name.endswith(".overflows"))
+    jmp_like = jax.tree_util.tree_map(jmp_leaves, saveable, is_leaf=_is_ls)
+    if _orbax_paths(jmp_like) == saved:
+      def rebuild(restored):
+        def put(target, value):
+          if not isinstance(target, ls_lib.DynamicLossScale):
+            return value
+          values = iter(value)
+          leaves = [jnp.zeros(np.shape(leaf), leaf.dtype)
+                    if name.endswith(".overflows") else next(values)
+                    for name, leaf in _named_leaves(target)]
+          return jax.tree_util.tree_unflatten(
+              jax.tree_util.tree_structure(target), leaves)
+        return jax.tree_util.tree_map(put, saveable, restored, is_leaf=_is_ls)
+      return jmp_like, rebuild
+
+    fmt = lambda ks: _listing(["/".join(k) for k in sorted(ks)])
+    msg = "checkpoint does not match the restore target (orbax paths):"
+    if saved - want:
+      msg += f"\n    in the checkpoint, not in the target: {fmt(saved - want)}"
+    if want - saved:
+      msg += f"\n    in the target, not in the checkpoint: {fmt(want - saved)}"
+    raise CheckpointMismatchError(msg)
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
