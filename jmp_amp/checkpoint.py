@@ -377,8 +377,9 @@ def _cast_like(restored: Any, target: Any) -> Any:
 
 
 def _value(x: Any) -> np.ndarray:
-  # nnx.state() holds arrays in Variables.
-  return np.asarray(getattr(x, "value", x))
+  # NNX objects hold arrays in Variables.
+  get_value = getattr(x, "get_value", None)
+  return np.asarray(get_value() if callable(get_value) else x)
 
 
 def _loss_scale_problem(x: Any) -> Optional[str]:

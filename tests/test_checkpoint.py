@@ -288,6 +288,11 @@ def test_manager_save_refuses_existing_step(tmp_path):
 # Damaged checkpoints: a named error or a bit-identical restore, never
 # changed values.
 
+# Orbax reads arrays in threads; after the first read fails, the others'
+# errors are reported as unraisable. The restore itself raised a named error.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
 NAMED_ERRORS = (checkpoint.CheckpointCorruptedError,
                 checkpoint.CheckpointMismatchError)
 
@@ -569,3 +574,21 @@ def test_jmp_dynamic_loss_scale_checkpoint_restores_into_jmp_amp(tmp_path):
   # The restored scale trains on: a finite step counts, an overflow backs off.
   ls = restored["loss_scale"].adjust(jnp.array(False))
   assert float(ls.loss_scale) == 2.0**11 and int(ls.counter) == 0
+
+
+def test_checkpoint_without_checksums_from_format_1_still_restores(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  checkpoint.save(tmp_path, state, step=1)
+  path = tmp_path / "1" / "jmp_amp" / "metadata"
+  meta = json.loads(path.read_text())
+  assert meta["format"] == "jmp_amp.checkpoint/2"
+  assert len(meta["checksums"]["arrays"]) == len(meta["leaves"])
+  del meta["checksums"]
+  path.write_text(json.dumps({**meta, "format": "jmp_amp.checkpoint/1"}))
+  assert tree_bytes_equal(checkpoint.restore(tmp_path, state), state)
+  # A /2 checkpoint without its checksums is damaged, not old.
+  path.write_text(json.dumps(meta))
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=r"damaged metadata \(file jmp_amp/metadata\): no "
+                     r"'checksums' table"):
+    checkpoint.restore(tmp_path, state)
