@@ -130,11 +130,18 @@ class CheckpointFallbackWarning(UserWarning):
 # What a state looks like: leaves and loss-scale hyper-parameters.
 
 
-def _leaf_spec(x: Any) -> dict[str, Any]:
-  if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "dtype"):
+def _leaf_spec(x: Any, name: str) -> dict[str, Any]:
+  if isinstance(x, jax.ShapeDtypeStruct) or (
+      hasattr(x, "dtype") and hasattr(x, "shape")):
     shape, dtype = tuple(x.shape), x.dtype
+  elif isinstance(x, (bool, int, float, complex)):
+    shape, dtype = (), jnp.result_type(x)
   else:
-    shape, dtype = np.shape(x), jnp.result_type(x)
+    text = repr(x)
+    raise TypeError(
+        f"state leaf {name or '<root>'} is a {type(x).__name__} "
+        f"({text[:60] + '...' if len(text) > 60 else text}); a checkpoint "
+        "holds arrays, jax.ShapeDtypeStruct and Python numbers only")
   # str(), not np.dtype(): PRNG key arrays have extended dtypes.
   return {"shape": [int(d) for d in shape], "dtype": str(dtype)}
 
@@ -186,7 +193,8 @@ def describe(state: Any) -> dict[str, Any]:
     ``{"leaves": {path: {"shape", "dtype"}}, "loss_scales": {path: {"type",
     hyper-parameters}}}``, paths as `jax.tree_util.keystr` gives them.
   """
-  leaves = {name: _leaf_spec(x) for name, x in _named_leaves(_saveable(state))}
+  leaves = {name: _leaf_spec(x, name)
+            for name, x in _named_leaves(_saveable(state))}
   # From `state` itself: nnx.state() keeps a loss scale's arrays but drops its
   # hyper-parameters, which an nnx.Optimizer still holds.
   scales = {}
@@ -504,6 +512,9 @@ class CheckpointManager:
   def __init__(self, directory: PathLike, *, max_to_keep: Optional[int] = None,
                save_interval_steps: int = 1, async_save: bool = False):
     directory = _check_directory(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+      raise NotADirectoryError(
+          f"checkpoint directory {directory!r} exists and is not a directory")
     if max_to_keep is not None and (
         isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
         or max_to_keep < 1):
@@ -569,6 +580,9 @@ class CheckpointManager:
       self._manager.delete(s)
     saveable = _saveable(state)
     meta = describe(state)
+    if not meta["leaves"]:
+      raise ValueError(f"state has no arrays to save, got "
+                       f"{type(state).__name__}: {state!r:.80}")
     meta["step"] = step
     sums = {name: _checksum(x) for name, x in _named_leaves(saveable)}
     meta["checksums"] = {"algorithm": _CHECKSUM, "arrays": {

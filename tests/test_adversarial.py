@@ -100,6 +100,21 @@ ERROR_CASES = {
     "save: overwrite='yes'": (
         lambda d: checkpoint.save(d, S, step=9, overwrite="yes"), TypeError,
         names("overwrite must be True or False", "str: 'yes'")),
+    "save: a str leaf": (
+        lambda d: checkpoint.save(d / "new", {"a": "text"}, step=1), TypeError,
+        names(r"state leaf \['a'\] is a str", "'text'", "arrays")),
+    "save: an object leaf": (
+        lambda d: checkpoint.save(d / "new", {"a": object()}, step=1),
+        TypeError, names(r"state leaf \['a'\] is a object")),
+    "save: state None": (
+        lambda d: checkpoint.save(d / "new", None, step=1), ValueError,
+        names("state has no arrays to save", "NoneType")),
+    "save: empty state": (
+        lambda d: checkpoint.save(d / "new", {}, step=1), ValueError,
+        names("state has no arrays to save", "dict")),
+    "save: directory is a file": (
+        lambda d: checkpoint.save(d / "5" / "_CHECKPOINT_METADATA", S, step=1),
+        NotADirectoryError, names("_CHECKPOINT_METADATA", "is not a directory")),
     "manager: max_to_keep=0": (
         lambda d: checkpoint.CheckpointManager(d, max_to_keep=0), ValueError,
         names("max_to_keep must be an integer >= 1 or None", "got 0")),
@@ -131,6 +146,12 @@ ERROR_CASES = {
     "restore: verify=None": (
         lambda d: checkpoint.restore(d, S, verify=None), TypeError,
         names("verify must be True or False", "None")),
+    "restore: target None": (
+        lambda d: checkpoint.restore(d, None), checkpoint.CheckpointMismatchError,
+        names("tree structure differs", "in the checkpoint, not in the target")),
+    "restore: target a str": (
+        lambda d: checkpoint.restore(d, "state"), TypeError,
+        names("state leaf <root> is a str", "'state'")),
     "restore: bfloat16 params": (
         lambda d: checkpoint.restore(d, {**S, "params": jmp_amp.cast_floating(
             PARAMS, jnp.bfloat16)}), checkpoint.CheckpointMismatchError,
