@@ -12,6 +12,9 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 import zlib
 
 import jax
@@ -592,3 +595,56 @@ def test_checkpoint_without_checksums_from_format_1_still_restores(tmp_path):
                      match=r"damaged metadata \(file jmp_amp/metadata\): no "
                      r"'checksums' table"):
     checkpoint.restore(tmp_path, state)
+
+
+_SAVER = r"""
+import sys
+import jax.numpy as jnp
+import numpy as np
+from jmp_amp import checkpoint
+
+directory, size = sys.argv[1], int(sys.argv[2])
+checkpoint.save(directory, {"w": jnp.arange(16, dtype=jnp.float32)}, step=1)
+print("saved 1", flush=True)
+big = np.random.default_rng(0).normal(size=size).astype(np.float32)
+checkpoint.save(directory, {"w": jnp.asarray(big[:16]), "big": jnp.asarray(big)},
+                step=2)
+print("saved 2", flush=True)
+"""
+
+
+def test_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
+  # SIGKILL while step 2 is being written: orbax writes into a temporary
+  # directory and renames it when complete, so step 1 stays the latest and
+  # restores bit-identically (or, if the kill came too late, step 2 is whole).
+  proc = subprocess.Popen(
+      [sys.executable, "-c", _SAVER, str(tmp_path), str(2**26)],
+      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      env={**os.environ, "PYTHONPATH": os.pathsep.join(
+          [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+          + sys.path)})
+  try:
+    assert proc.stdout.readline().strip() == "saved 1"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+      if any("tmp" in name for name in os.listdir(tmp_path)):
+        break
+      time.sleep(0.01)
+    time.sleep(0.05)
+    proc.kill()
+  finally:
+    proc.wait()
+  killed_mid_write = proc.returncode != 0
+  target = {"w": jnp.zeros(16, jnp.float32)}
+  restored, step = checkpoint.restore_latest(tmp_path, target)
+  print(f"killed mid-write: {killed_mid_write}; restored step {step}")
+  if step == 1:
+    assert killed_mid_write
+    np.testing.assert_array_equal(restored["w"], np.arange(16, dtype=np.float32))
+  else:  # the save finished before the kill: step 2 must be whole
+    assert step == 2
+    restored = checkpoint.restore(tmp_path, {
+        "w": target["w"], "big": jax.ShapeDtypeStruct((2**26,), jnp.float32)})
+    big = np.random.default_rng(0).normal(size=2**26).astype(np.float32)
+    np.testing.assert_array_equal(restored["big"], big)
