@@ -392,11 +392,14 @@ def _value(x: Any) -> np.ndarray:
 
 def _loss_scale_problem(x: Any) -> Optional[str]:
   """Why a restored loss scale cannot be used, or None."""
-  if not isinstance(x, ls_lib.DynamicLossScale):
+  if (not isinstance(x, ls_lib.DynamicLossScale)
+      or isinstance(x.loss_scale, jax.ShapeDtypeStruct)):
     return None  # No-op and static scales have no array leaves.
   scale = _value(x.loss_scale)
-  if scale.shape != () or not np.issubdtype(scale.dtype, np.floating):
-    return f"loss_scale is {scale.dtype}{list(scale.shape)}, not a float scalar"
+  if scale.shape != () or not (jnp.issubdtype(scale.dtype, jnp.floating) or
+                               jnp.issubdtype(scale.dtype, jnp.integer)):
+    return (f"loss_scale is {scale.dtype}{list(scale.shape)}, not a real "
+            "scalar")
   if not (np.isfinite(scale) and scale > 0):
     return (f"loss_scale is {scale.item()!r}; it must be a finite number > 0 "
             "(a run whose scale went non-finite was saved?)")
@@ -565,6 +568,15 @@ class CheckpointManager:
     step = _check_step(step)
     overwrite = _check_bool(overwrite, "overwrite")
     force = _check_bool(force, "force")
+    saveable = _saveable(state)
+    meta = describe(state)
+    if not meta["leaves"]:
+      raise ValueError(f"state has no arrays to save, got "
+                       f"{type(state).__name__}: {state!r:.80}")
+    meta["step"] = step
+    sums = {name: _checksum(x) for name, x in _named_leaves(saveable)}
+    meta["checksums"] = {"algorithm": _CHECKSUM, "arrays": {
+        k: v for k, v in sums.items() if v is not None}}
     # An async save in flight has no step directory yet; orbax waits here
     # before its next save anyway.
     self._manager.wait_until_finished()
@@ -578,15 +590,6 @@ class CheckpointManager:
           f"{step}, or save to a new directory.", step, existing)
     for s in existing:
       self._manager.delete(s)
-    saveable = _saveable(state)
-    meta = describe(state)
-    if not meta["leaves"]:
-      raise ValueError(f"state has no arrays to save, got "
-                       f"{type(state).__name__}: {state!r:.80}")
-    meta["step"] = step
-    sums = {name: _checksum(x) for name, x in _named_leaves(saveable)}
-    meta["checksums"] = {"algorithm": _CHECKSUM, "arrays": {
-        k: v for k, v in sums.items() if v is not None}}
     return self._manager.save(
         step, args=ocp.args.Composite(**{
             _STATE: ocp.args.StandardSave(saveable),

@@ -648,3 +648,12 @@ def test_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
         "w": target["w"], "big": jax.ShapeDtypeStruct((2**26,), jnp.float32)})
     big = np.random.default_rng(0).normal(size=2**26).astype(np.float32)
     np.testing.assert_array_equal(restored["big"], big)
+
+
+def test_overwrite_with_a_bad_state_deletes_nothing(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  checkpoint.save(tmp_path, state, step=1)
+  with pytest.raises(TypeError, match=r"state leaf \['name'\] is a str"):
+    checkpoint.save(tmp_path, {**state, "name": "run"}, step=1,
+                    overwrite=True)
+  assert tree_bytes_equal(checkpoint.restore(tmp_path, state), state)
