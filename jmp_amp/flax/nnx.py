@@ -161,8 +161,9 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
     if res.policy is not None:
       problem = _apply(module, res.policy,
                        cast_output=rules_lib.casts_output(_path_str(path),
-                                                          res))
-      if problem and res.source != "inherited":
+                                                          res),
+                       explicit=res.source == "rule")
+      if problem:
         problems.append(f"{_path_str(path) or '<root>'!r} "
                         f"({type(module).__name__}) {problem}")
   _cast_params(model, {p: resolved[p].policy for p, _ in modules})
@@ -336,9 +337,14 @@ def _has_boundary(cls: type) -> bool:
              for c in cls.__mro__ for value in vars(c).values())
 
 
-def _apply(module: nnx.Module, policy: Policy, *,
-           cast_output: bool) -> Optional[str]:
-  """Sets `module`'s knobs; says why it cannot follow `policy`, if so."""
+def _apply(module: nnx.Module, policy: Policy, *, cast_output: bool,
+           explicit: bool) -> Optional[str]:
+  """Sets `module`'s knobs; says why it cannot follow `policy`, if so.
+
+  Reported: a module computing with its own Params without knobs or boundary
+  (they would promote the computation to the param dtype), and a module that
+  a rule names directly for an output dtype it has no means to produce.
+  """
   attrs = vars(module)
   originals = {}
 
@@ -359,7 +365,8 @@ def _apply(module: nnx.Module, policy: Policy, *,
         set_knob(name, replacement)
   setattr(module, _ATTR, _Applied(policy, cast_output,
                                   tuple(originals.items())))
-  if has_dtype or _has_boundary(type(module)):
+  if (has_dtype or _has_boundary(type(module))
+      or isinstance(module, _CONTAINERS)):
     return None
   if any(_common.is_float_array(var.get_value())
          for _, var in _own_params(module)):
@@ -367,7 +374,8 @@ def _apply(module: nnx.Module, policy: Policy, *,
       return ("computes with Params of its own but has no dtype knob: they "
               f"stay {policy.param_dtype.name}, not "
               f"{policy.compute_dtype.name}")
-  if cast_output and policy.output_dtype != policy.compute_dtype:
+  if (explicit and cast_output
+      and policy.output_dtype != policy.compute_dtype):
     return (f"has no knobs to return {policy.output_dtype.name}: it returns "
             "what its children compute")
   return None
