@@ -24,8 +24,10 @@ their inputs and params, so they follow the policy; a layer given an explicit
 
 Limits: methods other than ``__call__``/``attend`` run without boundary
 casts; with lifted transforms (`nn.scan`, `nn.remat`) the transformed
-module's scope path is what the patterns see; the first pass doubles the
-tracing time (not the run time) of a step.
+module's scope path is what the patterns see; the first pass traces the
+model abstractly, so it must be traceable as under `jax.jit` (no Python
+branching on array values), and it doubles the tracing time (not the run
+time) of a step.
 
 Example:
   >>> import jmp_amp.flax

@@ -39,7 +39,10 @@ Limits: a Param read from *another* module's attribute (``x @
 self.embed.embedding[...].T``) is not cast, call that module instead
 (``self.embed.attend(x)``); `nnx.Embed.attend` returns the compute dtype
 whatever the output dtype (it has no matmul knob); a module shared between
-two places gets the policy of its first path.
+two places gets the policy of its first path; a `cast_boundary` method whose
+module has Params to cast runs on a view of the module (`nnx.merge` of its
+state, sharing its Variables), so plain attributes it assigns on ``self``
+stay on the view.
 
 Example:
   >>> import jmp_amp.flax
