@@ -141,6 +141,9 @@ def test_unflatten_accepts_placeholders(hysteresis, n_leaves):
     assert rebuilt.counter is placeholder
   shapes = jax.eval_shape(lambda s: s.adjust(jnp.bool_(True)), ls)
   assert shapes.loss_scale.dtype == jnp.float32
+  # orbax maps a tree of Nones as a prefix of the state: same structure.
+  nones = jax.tree_util.tree_map(lambda x: None, ls)
+  assert jax.tree_util.tree_map(lambda x, a: x, ls, nones) == ls
   # optax-style tree utilities rebuild the state with zeros: no validation.
   zeros = jax.tree_util.tree_map(jnp.zeros_like, ls)
   assert float(zeros.loss_scale) == 0.0

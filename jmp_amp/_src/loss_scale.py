@@ -108,10 +108,10 @@ def _check_scale_value(value: Any, name: str, *, allow_abstract: bool) -> None:
     lo, hi = _bounds(dtype)
     lo, hi = max(lo, float(_F32.tiny)), min(hi, float(_F32.max))
   if not (math.isfinite(v) and lo <= v <= hi):
-    as_f32 = np.float32(v) if math.isfinite(v) and v > 0 else None
     why = ""
-    if as_f32 is not None and not (lo <= v <= hi):
-      why = f" (outside [{lo:.7g}, {hi:.7g}]: {as_f32!r} in float32)"
+    if math.isfinite(v) and v > 0:
+      with np.errstate(over="ignore", under="ignore"):
+        why = f" (outside [{lo:.7g}, {hi:.7g}]: {np.float32(v)!r} in float32)"
     raise ValueError(f"{name} must be a finite number > 0, got {v!r}{why}; "
                      + _SCALE_HELP)
 
@@ -370,7 +370,7 @@ class DynamicLossScale:
     for name, bound in (("counter", self.period),
                         ("overflows", self.hysteresis)):
       value = getattr(self, name)
-      if value is None and name == "overflows":
+      if name == "overflows" and self.hysteresis == 1:
         continue
       if _is_abstract(value) and allow_abstract:
         continue
@@ -456,7 +456,7 @@ class DynamicLossScale:
     else:
       reduced = s * self.backoff_factor
     reduced = jnp.maximum(reduced, floor)
-    if self.overflows is None:
+    if self.hysteresis == 1:
       back_off = jnp.logical_not(grads_finite)
       new_overflows = None
     else:
@@ -502,16 +502,17 @@ class DynamicLossScale:
 
 
 def _flatten(ls: DynamicLossScale):
+  # The structure follows the static hysteresis, never a leaf's value: a
+  # placeholder None in `overflows` must not drop the leaf.
   leaves = (ls.loss_scale, ls.counter)
-  if ls.overflows is not None:
+  if ls.hysteresis > 1:
     leaves += (ls.overflows,)
-  return leaves, (ls._static(), ls.overflows is not None)  # pylint: disable=protected-access
+  return leaves, ls._static()  # pylint: disable=protected-access
 
 
-def _unflatten_node(aux, leaves):
-  static, has_overflows = aux
+def _unflatten_node(static, leaves):
   leaves = tuple(leaves)
-  if not has_overflows:
+  if len(leaves) == 2:
     leaves += (None,)
   return _unflatten(static, leaves)
 
