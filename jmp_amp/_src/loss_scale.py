@@ -405,7 +405,7 @@ class DynamicLossScale:
       >>> import jax, jax.numpy as jnp, jmp_amp
       >>> ls = jmp_amp.DynamicLossScale(2.0 ** 15)
       >>> broken = jax.tree_util.tree_map(lambda x: x * jnp.nan, ls)
-      >>> broken.validate()
+      >>> broken.validate()  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
       ValueError: DynamicLossScale.loss_scale must be a finite number > 0, got nan; ...
