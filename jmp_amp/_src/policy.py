@@ -148,6 +148,7 @@ def get_policy(policy_name: Union[str, Policy]) -> Policy:
     The `Policy`.
 
   Raises:
+    TypeError: if `policy_name` is neither a str nor a `Policy`.
     ValueError: naming the part that is not understood.
   """
   if isinstance(policy_name, Policy):
