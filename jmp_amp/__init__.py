@@ -28,9 +28,7 @@ from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
 from jmp_amp._src.scaling import scaling_metrics
 from jmp_amp._src.tree import all_finite
-from jmp_amp._src.tree import cast_floating
 from jmp_amp._src.tree import select_tree
-from jmp_amp._src.tree import where_tree
 
 __version__ = "0.1.0"
 
@@ -47,7 +45,6 @@ __all__ = (
     "StaticLossScale",
     "all_finite",
     "autocast",
-    "cast_floating",
     "cast_to_full",
     "cast_to_half",
     "conv_general_dilated",
@@ -60,5 +57,4 @@ __all__ = (
     "matmul_report",
     "scaling_metrics",
     "select_tree",
-    "where_tree",
 )

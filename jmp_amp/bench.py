@@ -116,7 +116,7 @@ def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
 
   if mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
-    jflax.set_policies(model, jflax.mixed_rules(half.name))
+    jflax.set_policies(model, jflax.mixed_rules(half))
   tx = jmp_amp.loss_scaling(optax.sgd(cfg.lr),
                             _loss_scale_for(mode, cfg.init_scale))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)

@@ -126,7 +126,7 @@ def _saved(tmp_path, **opt_kwargs):
 
 def test_restore_into_bfloat16_params_names_the_dtype_mismatch(tmp_path):
   _, state = _saved(tmp_path)
-  target = {"params": jmp_amp.cast_floating(state["params"], jnp.bfloat16),
+  target = {"params": jmp_amp.get_policy("bf16").cast_to_param(state["params"]),
             "opt_state": state["opt_state"]}
   with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"dtype mismatch[\s\S]*\['params'\]\['dense0'\]"

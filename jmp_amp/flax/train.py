@@ -63,6 +63,7 @@ import numpy as np
 
 import jmp_amp
 from jmp_amp import Policy
+from jmp_amp._src.tree import where_tree
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
 
@@ -243,7 +244,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     new_rest = _like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
     reverted_old = nnx.filter_state(rest, revert_on_skip)
-    nnx.update(model, kept, jmp_amp.where_tree(
+    nnx.update(model, kept, where_tree(
         metrics["grads_finite"], reverted_new, reverted_old))
     return metrics
 
@@ -384,7 +385,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
     new_cols = _like(dict(new_cols), cols)
     if revert_on_skip:
-      new_cols = jmp_amp.where_tree(metrics["grads_finite"], new_cols, cols)
+      new_cols = where_tree(metrics["grads_finite"], new_cols, cols)
     return state.replace(**new_cols), metrics
 
   if not jit:
