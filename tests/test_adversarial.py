@@ -153,8 +153,8 @@ ERROR_CASES = {
         lambda d: checkpoint.restore(d, "state"), TypeError,
         names("state leaf <root> is a str", "'state'")),
     "restore: bfloat16 params": (
-        lambda d: checkpoint.restore(d, {**S, "params": jmp_amp.cast_floating(
-            PARAMS, jnp.bfloat16)}), checkpoint.CheckpointMismatchError,
+        lambda d: checkpoint.restore(d, {**S, "params": jmp_amp.get_policy("bf16").cast_to_param(
+            PARAMS)}), checkpoint.CheckpointMismatchError,
         names("dtype mismatch", r"\['params'\]\['w'\]: saved float32, target "
               "bfloat16")),
     "restore: another optimizer": (
@@ -184,7 +184,7 @@ ERROR_CASES = {
     # ---- policies ------------------------------------------------------------
     "Policy(None, None, None)": (
         lambda d: jmp_amp.Policy(None, None, None), TypeError,
-        names("param_dtype", "None"), needs("core")),
+        names("param_dtype", "None")),
     "Policy with an integer dtype": (
         lambda d: jmp_amp.Policy(jnp.float32, jnp.int8, jnp.float32),
         TypeError, names("compute_dtype must be a floating-point dtype",
@@ -218,31 +218,31 @@ ERROR_CASES = {
     # ---- loss scales ---------------------------------------------------------
     "DynamicLossScale(2**200): inf in float32": (
         lambda d: Dyn(2.0**200), ValueError,
-        names("loss_scale", "float32"), needs("core")),
+        names("loss_scale", "float32")),
     "StaticLossScale(1e39): inf in float32": (
         lambda d: Static(1e39), ValueError,
-        names("loss_scale", "float32"), needs("core")),
+        names("loss_scale", "float32")),
     "DynamicLossScale(1e-50, min_loss_scale=0): 0 in float32": (
         lambda d: Dyn(1e-50, min_loss_scale=0), ValueError,
-        names("loss_scale", "float32"), needs("core")),
+        names("loss_scale", "float32")),
     "StaticLossScale(True)": (
         lambda d: Static(True), TypeError,
-        names("loss_scale", "bool"), needs("core")),
+        names("loss_scale", "bool")),
     "DynamicLossScale(True)": (
         lambda d: Dyn(True), TypeError,
-        names("loss_scale", "bool"), needs("core")),
+        names("loss_scale", "bool")),
     "DynamicLossScale of a NumPy vector": (
         lambda d: Dyn(np.full(3, 2.0**15)), ValueError,
-        names("loss_scale", "scalar", r"\(3,\)"), needs("core")),
+        names("loss_scale", "scalar", r"\(3,\)")),
     "StaticLossScale of a NumPy vector": (
         lambda d: Static(np.array([2.0, 3.0])), ValueError,
-        names("loss_scale", "scalar", r"\(2,\)"), needs("core")),
+        names("loss_scale", "scalar", r"\(2,\)")),
     "DynamicLossScale('32768')": (
         lambda d: Dyn("32768"), TypeError,
-        names("loss_scale", "str", "'32768'"), needs("core")),
+        names("loss_scale", "str", "'32768'")),
     "StaticLossScale('2')": (
         lambda d: Static("2"), TypeError,
-        names("loss_scale", "str"), needs("core")),
+        names("loss_scale", "str")),
     "DynamicLossScale(nan)": (
         lambda d: Dyn(float("nan")), ValueError,
         names("loss_scale must be a finite number > 0", "nan")),
@@ -417,7 +417,6 @@ def test_overwrite_true_replaces_the_step(tmp_path):
   np.testing.assert_array_equal(restored["params"]["w"], np.full((2, 3), 2.0))
 
 
-@needs("core")
 def test_integer_scale_never_reaches_zero():
   # int32 scale, floor 0: two overflows must not make it 0 (unscale -> inf).
   with pytest.warns(UserWarning):

@@ -487,7 +487,7 @@ def test_cast_dtypes_still_verifies_the_checksums(tmp_path):
   checkpoint.save(tmp_path, state, step=1)
   _corrupt_values(tmp_path, 1, state)
   target = {**state,
-            "params": jmp_amp.cast_floating(state["params"], jnp.bfloat16)}
+            "params": jmp_amp.get_policy("bf16").cast_to_param(state["params"])}
   with pytest.raises(checkpoint.CheckpointCorruptedError,
                      match=r"does not match its checksum"):
     checkpoint.restore(tmp_path, target, cast_dtypes=True)
@@ -572,7 +572,7 @@ def test_jmp_dynamic_loss_scale_checkpoint_restores_into_jmp_amp(tmp_path):
   assert float(restored["loss_scale"].loss_scale) == 2.0**12
   assert int(restored["loss_scale"].counter) == 7
   assert restored["loss_scale"].period == 10
-  assert int(getattr(restored["loss_scale"], "overflows", 0)) == 0
+  assert restored["loss_scale"].overflows is None  # hysteresis 1: jmp's leaves
   assert tree_bytes_equal(restored["params"], params)
   # The restored scale trains on: a finite step counts, an overflow backs off.
   ls = restored["loss_scale"].adjust(jnp.array(False))
