@@ -6,8 +6,8 @@ integration lives in `jmp_amp.flax`, which this module does not import.
 """
 
 from jmp_amp._src.audit import matmul_report
-from jmp_amp._src.report import MatmulRecord
-from jmp_amp._src.report import MatmulReport
+from jmp_amp._src.audit import MatmulRecord
+from jmp_amp._src.audit import MatmulReport
 from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES

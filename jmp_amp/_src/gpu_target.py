@@ -171,16 +171,24 @@ class GpuReport:
     }
 
   def __str__(self) -> str:
-    mib = lambda b: "?" if b is None else f"{b / 2**20:,.1f} MiB"
     gemms = ", ".join(f"{n} x {s}" for s, n in self.gemms_by_dtype().items())
     return "\n".join((
         f"GpuReport [{self.label}; jax {self.jax_version}]",
         f"  GEMMs/convs: {len(self.matmuls)} ({gemms or 'none'})",
         f"  kernels: {self.kernels} ({', '.join(f'{k}: {v}' for k, v in self.kernels_by_kind.items())})",
-        f"  GPU memory: temp {mib(self.memory.get('temp_bytes'))}, "
-        f"arguments {mib(self.memory.get('argument_bytes'))}, "
-        f"outputs {mib(self.memory.get('output_bytes'))}",
-        f"  bytes moved (estimate): {mib(self.bytes_estimate)}"))
+        f"  GPU memory: temp {_size(self.memory.get('temp_bytes'))}, "
+        f"arguments {_size(self.memory.get('argument_bytes'))}, "
+        f"outputs {_size(self.memory.get('output_bytes'))}",
+        f"  bytes moved (estimate): {_size(self.bytes_estimate)}"))
+
+
+def _size(n: Optional[int]) -> str:
+  if n is None:
+    return "?"
+  for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    if n >= 2**shift:
+      return f"{n / 2**shift:,.1f} {unit}"
+  return f"{n} B"
 
 
 def report_from_hlo(text: str, memory: Optional[dict[str, Optional[int]]] = None,
@@ -279,10 +287,9 @@ def compile_for_gpu(fn: Any, *args: Any, target: str = "h100",
                for i, a in enumerate(args))
   kwargs = {k: v if k in (static_argnames or ()) else jax.tree.map(place, v)
             for k, v in kwargs.items()}
-  jit_kwargs = {"donate_argnums": donate_argnums} if donate_argnums else None
   lowered = audit.lower(fn, *args, static_argnums=static_argnums,
-                        static_argnames=static_argnames, jit_kwargs=jit_kwargs,
-                        **kwargs)
+                        static_argnames=static_argnames,
+                        jit_kwargs={"donate_argnums": donate_argnums}, **kwargs)
   return lowered.compile(compiler_options=GEMM_BACKENDS[gemm] or None)
 
 
