@@ -293,6 +293,22 @@ module @jit_f {
 """
 
 
+def test_stablehlo_text_without_visibility_and_private_callee():
+  text = """
+  func.func @f(%a: tensor<2x3xf16>, %b: tensor<3x5xf16>) -> tensor<2x5xf32> {
+    %0 = call @g(%a, %b) : (tensor<2x3xf16>, tensor<3x5xf16>) -> tensor<2x5xf32>
+    return %0 : tensor<2x5xf32>
+  }
+  func.func private @g(%a: tensor<2x3xf16>, %b: tensor<3x5xf16>) -> tensor<2x5xf32> {
+    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2x3xf16>, tensor<3x5xf16>) -> tensor<2x5xf32>
+    return %0 : tensor<2x5xf32>
+  }
+  """
+  (rec,) = MatmulReport.from_stablehlo(text)
+  assert rec.function == "g" and rec.signature == "f16 x f16 -> f32"
+  assert rec.flops == 2 * 2 * 5 * 3 and rec.name is None
+
+
 def test_mixed_operands_and_generic_mlir_syntax():
   report = MatmulReport.from_stablehlo(MIXED_STABLEHLO)
   assert len(report) == 2

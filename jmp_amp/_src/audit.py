@@ -233,6 +233,7 @@ def report_from_stablehlo(module: Union[ir.Module, str]) -> MatmulReport:
           visit(inner, func, stack)
 
   public = [n for n, f in funcs.items() if n == "main" or
+            "sym_visibility" not in f.attributes or
             ir.StringAttr(f.attributes["sym_visibility"]).value == "public"]
   for name in public[:1]:
     visit(funcs[name].regions[0].blocks[0], name, (name,))
