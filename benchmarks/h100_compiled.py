@@ -123,11 +123,32 @@ def plot(results, path):
     ax.set_title(name)
     ax.set_ylabel("ratio to float32")
   axes[0][0].legend(fontsize=8)
-  fig.suptitle(f"Train steps {results['label']} (jax {results['jax_version']})",
+  first, second = results["label"].split(": ", 1)
+  fig.suptitle(f"Train steps {first}\n{second} (jax {results['jax_version']})",
                fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def markdown(results) -> str:
+  """The results as Markdown tables, one per workload, labelled."""
+  lines = [f"Train steps {results['label']} (jax {results['jax_version']}, "
+           f"{results['made']}).", ""]
+  for name, w in results["workloads"].items():
+    lines += [f"**{name}**: {w['description']}", "",
+              "| mode | GEMMs by dtype | half GEMM FLOPs | kernels | GPU temp MiB "
+              "| temp / f32 | bytes est. MiB | bytes / f32 |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in w["rows"]:
+      if r["status"] != "ok":
+        lines.append(f"| {r['mode']} | failed: {r['error'][:60]} | | | | | | |")
+        continue
+      cells = gpu_bench.table([r])[0]
+      lines.append("| " + " | ".join(cells[:5] + [cells[5], cells[7], cells[8]])
+                   + " |")
+    lines.append("")
+  return "\n".join(lines)
 
 
 def main(argv=None):
@@ -149,6 +170,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
       json.dump(results, f, indent=1, sort_keys=True, default=str)
+    with open(os.path.join(args.out, "h100_compiled.md"), "w") as f:
+      f.write(markdown(results))
     print("wrote", path)
   try:
     plot(results, os.path.join(args.out, "h100_compiled.png"))
