@@ -108,12 +108,13 @@ class HloModule:
   def kernels(self) -> list[tuple[str, Instr]]:
     """The instructions that launch work: those outside fusion bodies and
     reducers (control flow bodies included, once each), less the free ones
-    (parameters, constants, tuples, bitcasts) and control flow itself."""
+    (parameters, constants, tuples, bitcasts), control flow itself and the
+    waits that close an async pair ("*-done")."""
     inner = {c for instrs in self.computations.values() for i in instrs
              if i.opcode not in ("while", "conditional", "call")
              for c in self.called(i)}
     return [(c, i) for c, i in self.walk() if c not in inner
-            and i.opcode not in _FREE]
+            and i.opcode not in _FREE and not i.opcode.endswith("-done")]
 
   def operand(self, comp: str, instr: Instr, index: int):
     """(shape, dtype) of operand `index` of `instr` in `comp`."""
