@@ -197,7 +197,7 @@ def _conv_flops(out, kernel, kernel_out_dim) -> Optional[int]:
   # Each output element reads kernel spatial size * input features per group
   # kernel entries: every kernel dim except the output-feature one.
   n, k = _prod(out), _prod(kernel)
-  if n is None or k is None or kernel_out_dim is None:
+  if None in (n, k, kernel_out_dim) or not kernel[kernel_out_dim]:
     return None
   return 2 * n * (k // kernel[kernel_out_dim])
 

@@ -172,10 +172,11 @@ class GpuReport:
 
   def __str__(self) -> str:
     gemms = ", ".join(f"{n} x {s}" for s, n in self.gemms_by_dtype().items())
+    kinds = ", ".join(f"{k}: {v}" for k, v in self.kernels_by_kind.items())
     return "\n".join((
         f"GpuReport [{self.label}; jax {self.jax_version}]",
         f"  GEMMs/convs: {len(self.matmuls)} ({gemms or 'none'})",
-        f"  kernels: {self.kernels} ({', '.join(f'{k}: {v}' for k, v in self.kernels_by_kind.items())})",
+        f"  kernels: {self.kernels} ({kinds})",
         f"  GPU memory: temp {_size(self.memory.get('temp_bytes'))}, "
         f"arguments {_size(self.memory.get('argument_bytes'))}, "
         f"outputs {_size(self.memory.get('output_bytes'))}",
