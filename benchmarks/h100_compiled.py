@@ -8,7 +8,7 @@ GEMMs by dtype, kernels, GPU temp/argument memory, an estimate of bytes
 moved, and their ratios to float32. Compiler figures, not timings.
 
     JAX_PLATFORMS=cpu python benchmarks/h100_compiled.py          # all, + plot
-    python benchmarks/h100_compiled.py --plot-only                # replot JSON
+    python benchmarks/h100_compiled.py --plot-only     # plot + .md from the JSON
 
 Workloads: the seed MLP (width 4096, 3 layers, batch 512, SGD), the ResNet
 of `jmp-amp bench --model resnet` (CIFAR-sized, batch 128, SGD) and a GPT
@@ -101,11 +101,17 @@ def compile_all(workloads, modes):
   return out
 
 
+def _ordered(results):
+  order = ("mlp", "resnet", "gpt")
+  return sorted(results["workloads"],
+                key=lambda n: order.index(n) if n in order else len(order))
+
+
 def plot(results, path):
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  names = list(results["workloads"])
+  names = _ordered(results)
   metrics = (("temp_bytes_vs_float32", "GPU temp memory"),
              ("bytes_estimate_vs_float32", "bytes moved (est.)"),
              ("kernels_vs_float32", "kernels"))
@@ -122,7 +128,7 @@ def plot(results, path):
     ax.set_xticklabels([r["mode"] for r in rows], rotation=40, ha="right")
     ax.set_title(name)
     ax.set_ylabel("ratio to float32")
-  axes[0][0].legend(fontsize=8)
+  axes[0][0].legend(fontsize=8, loc="lower left")
   first, second = results["label"].split(": ", 1)
   fig.suptitle(f"Train steps {first}\n{second} (jax {results['jax_version']})",
                fontsize=10)
@@ -135,7 +141,8 @@ def markdown(results) -> str:
   """The results as Markdown tables, one per workload, labelled."""
   lines = [f"Train steps {results['label']} (jax {results['jax_version']}, "
            f"{results['made']}).", ""]
-  for name, w in results["workloads"].items():
+  for name in _ordered(results):
+    w = results["workloads"][name]
     lines += [f"**{name}**: {w['description']}", "",
               "| mode | GEMMs by dtype | half GEMM FLOPs | kernels | GPU temp MiB "
               "| temp / f32 | bytes est. MiB | bytes / f32 |",
@@ -170,9 +177,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
       json.dump(results, f, indent=1, sort_keys=True, default=str)
-    with open(os.path.join(args.out, "h100_compiled.md"), "w") as f:
-      f.write(markdown(results))
     print("wrote", path)
+  with open(os.path.join(args.out, "h100_compiled.md"), "w") as f:
+    f.write(markdown(results))
   try:
     plot(results, os.path.join(args.out, "h100_compiled.png"))
     print("wrote", os.path.join(args.out, "h100_compiled.png"))
