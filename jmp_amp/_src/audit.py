@@ -40,6 +40,8 @@ STAGES = ("lowered", "compiled")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GEMM_TARGETS = ("__cublas$", "__hipblas", "__rocblas", "__onednn$matmul")
 _CONV_TARGETS = ("__cudnn$conv", "__miopen$conv", "__onednn$convolution")
+_NUMPY_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32",
+                "f64": "float64", "c64": "complex64", "c128": "complex128"}
 
 
 def matmul_report(fn: Any, *args: Any, stage: str = "lowered",
@@ -181,6 +183,19 @@ def _pick_frame(frames: Sequence[tuple[str, int]]) -> Optional[str]:
   return f"{file}:{line}"
 
 
+def _dtype(name: Optional[str]) -> str:
+  """Records' name of an HLO element type: "bf16", "f32", "int8", "bool"."""
+  if name is None:
+    return "?"
+  if name in ("pred", "s1", "u1"):
+    return "bool"
+  if name[0] in "su" and name[1:].isdigit():
+    return ("uint" if name[0] == "u" else "int") + name[1:]
+  if name[:2] in ("f8", "f6", "f4"):
+    return short_dtype_name(f"float{name[1]}_{name[2:]}")
+  return short_dtype_name(_NUMPY_NAMES.get(name, name))
+
+
 def _prod(dims) -> Optional[int]:
   dims = list(dims)
   return None if any(d is None for d in dims) else math.prod(dims)
@@ -232,10 +247,11 @@ def report_from_stablehlo(module: Union[ir.Module, str]) -> MatmulReport:
         for inner in region.blocks:
           visit(inner, func, stack)
 
-  public = [n for n, f in funcs.items() if n == "main" or
-            "sym_visibility" not in f.attributes or
-            ir.StringAttr(f.attributes["sym_visibility"]).value == "public"]
-  for name in public[:1]:
+  # JAX's entry is "main"; otherwise the first public function (MLIR's
+  # default visibility).
+  public = [n for n, f in funcs.items() if "sym_visibility" not in f.attributes
+            or ir.StringAttr(f.attributes["sym_visibility"]).value == "public"]
+  for name in (["main"] if "main" in funcs else public[:1]):
     visit(funcs[name].regions[0].blocks[0], name, (name,))
   return MatmulReport(records, stage="lowered")
 
@@ -248,17 +264,13 @@ def _mlir_array(value) -> tuple[tuple[Optional[int], ...], str]:
 
 
 def _mlir_dtype(t: ir.Type) -> str:
+  # bf16, f8E4M3FN, i8, ui8, i1, complex<f32>: as HLO spells them, then named.
+  name = str(t)
   if isinstance(t, ir.IntegerType):
-    return "bool" if t.width == 1 else (
-        ("uint" if t.is_unsigned else "int") + str(t.width))
-  if isinstance(t, ir.ComplexType):
-    return {"f32": "complex64", "f64": "complex128"}.get(
-        str(t.element_type), str(t))
-  name = str(t)  # bf16, f16, f32, f64, f8E4M3FN, f4E2M1FN, tf32
-  if name[:2] in ("f8", "f6", "f4"):
-    return short_dtype_name(f"float{name[1]}_{name[2:].lower()}")
-  return short_dtype_name({"bf16": "bfloat16", "f16": "float16",
-                           "f32": "float32", "f64": "float64"}.get(name, name))
+    name = ("u" if t.is_unsigned else "s") + str(t.width)
+  elif isinstance(t, ir.ComplexType):
+    name = {"f32": "c64", "f64": "c128"}.get(str(t.element_type), name)
+  return _dtype(name.lower())
 
 
 def _mlir_record(op, func: str) -> MatmulRecord:
@@ -307,20 +319,6 @@ def _mlir_location(loc, depth: int = 0) -> tuple[Optional[str], list]:
 
 # --------------------------------------------------------------------------
 # Optimized HLO text.
-
-
-def _hlo_dtype(name: Optional[str]) -> str:
-  if name is None:
-    return "?"
-  if name == "pred":
-    return "bool"
-  if name[0] in "su" and name[1:].isdigit():
-    return ("uint" if name[0] == "u" else "int") + name[1:]
-  if name[:2] in ("f8", "f6", "f4"):
-    return short_dtype_name(f"float{name[1]}_{name[2:]}")
-  return short_dtype_name({"bf16": "bfloat16", "f16": "float16",
-                           "f32": "float32", "f64": "float64",
-                           "c64": "complex64", "c128": "complex128"}.get(name, name))
 
 
 def report_from_hlo(text: str) -> MatmulReport:
@@ -374,6 +372,6 @@ def _hlo_record(module: hlo_text.HloModule, comp: str,
     flops = _conv_flops(fwd_out, kernel,
                         labels.index("o") if "o" in labels else None)
   name, frames = module.location(instr)
-  return MatmulRecord(kind, _hlo_dtype(lhs_dt), _hlo_dtype(rhs_dt),
-                      _hlo_dtype(out_dt), lhs, rhs, out, flops, function=comp,
-                      name=name, location=_pick_frame(frames), target=target)
+  return MatmulRecord(kind, _dtype(lhs_dt), _dtype(rhs_dt), _dtype(out_dt),
+                      lhs, rhs, out, flops, function=comp, name=name,
+                      location=_pick_frame(frames), target=target)
