@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -264,13 +265,13 @@ def _mlir_array(value) -> tuple[tuple[Optional[int], ...], str]:
 
 
 def _mlir_dtype(t: ir.Type) -> str:
-  # bf16, f8E4M3FN, i8, ui8, i1, complex<f32>: as HLO spells them, then named.
+  # MLIR spells i8 / ui8 / i1, complex<f32>, f8E4M3FN: HLO's names, then ours.
   name = str(t)
-  if isinstance(t, ir.IntegerType):
-    name = ("u" if t.is_unsigned else "s") + str(t.width)
-  elif isinstance(t, ir.ComplexType):
-    name = {"f32": "c64", "f64": "c128"}.get(str(t.element_type), name)
-  return _dtype(name.lower())
+  integer = re.fullmatch(r"(u|s)?i(\d+)", name)
+  if integer:
+    name = ("u" if integer.group(1) == "u" else "s") + integer.group(2)
+  return _dtype({"complex<f32>": "c64", "complex<f64>": "c128"}.get(
+      name, name.lower()))
 
 
 def _mlir_record(op, func: str) -> MatmulRecord:
@@ -293,26 +294,40 @@ def _mlir_record(op, func: str) -> MatmulRecord:
                       function=func, name=name, location=_pick_frame(frames))
 
 
+if hasattr(ir, "NameLoc"):
+  _LOCATION_KINDS = (("name", ir.NameLoc), ("callsite", ir.CallSiteLoc),
+                     ("fused", ir.FusedLoc), ("file", ir.FileLineColLoc))
+
+  def _location_kind(loc):
+    for kind, cls in _LOCATION_KINDS:
+      if loc.typeid == cls.static_typeid:
+        return kind, cls(loc)
+    return None, loc
+else:  # MLIR bindings of jaxlib < 0.9: Location.is_a_*(), same accessors.
+
+  def _location_kind(loc):
+    for kind, test in (("name", loc.is_a_name), ("callsite", loc.is_a_callsite),
+                       ("fused", loc.is_a_fused), ("file", loc.is_a_file)):
+      if test():
+        return kind, loc
+    return None, loc
+
+
 def _mlir_location(loc, depth: int = 0) -> tuple[Optional[str], list]:
   """(op name, [(file, line)] innermost first) of an MLIR location."""
-  if depth > 100:
-    return None, []
-  typeid = loc.typeid
-  if typeid == ir.NameLoc.static_typeid:
-    loc = ir.NameLoc(loc)
+  kind, loc = _location_kind(loc) if depth <= 100 else (None, loc)
+  if kind == "name":
     return loc.name_str, _mlir_location(loc.child_loc, depth + 1)[1]
-  if typeid == ir.CallSiteLoc.static_typeid:
-    loc = ir.CallSiteLoc(loc)
+  if kind == "callsite":
     return None, (_mlir_location(loc.callee, depth + 1)[1] +
                   _mlir_location(loc.caller, depth + 1)[1])
-  if typeid == ir.FusedLoc.static_typeid:
+  if kind == "fused":
     name, frames = None, []
-    for part in ir.FusedLoc(loc).locations:
+    for part in loc.locations:
       n, f = _mlir_location(part, depth + 1)
       name, frames = name or n, frames + f
     return name, frames
-  if typeid == ir.FileLineColLoc.static_typeid:
-    loc = ir.FileLineColLoc(loc)
+  if kind == "file":
     return None, [(loc.filename, loc.start_line)]
   return None, []
 
