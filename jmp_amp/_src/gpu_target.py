@@ -205,8 +205,7 @@ def report_from_hlo(text: str, memory: Optional[dict[str, Optional[int]]] = None
     elif instr.opcode == "custom-call":
       by_kind[instr.attr("custom_call_target") or "custom-call"] += 1
       # Library calls return (result, scratch): the scratch is not traffic.
-      shape, dtype = hlo_text.array(instr.type)
-      written = hlo_text.nbytes(f"{dtype}[{','.join(map(str, shape or ()))}]")
+      written = hlo_text.nbytes(instr.type, first_only=True)
     else:
       by_kind[instr.opcode] += 1
       written = hlo_text.nbytes(instr.type)

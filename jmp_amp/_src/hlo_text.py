@@ -198,10 +198,11 @@ def array(type_text: str):
   return dims, m.group(1)
 
 
-def nbytes(type_text: str) -> int:
-  """Bytes of every array in an HLO type (an array or a tuple)."""
+def nbytes(type_text: str, first_only: bool = False) -> int:
+  """Bytes of the arrays in an HLO type (an array or a tuple), or of its first
+  array only."""
   total = 0.0
-  for dtype, dims in _ARRAY_RE.findall(type_text):
+  for dtype, dims in _ARRAY_RE.findall(type_text)[:1 if first_only else None]:
     sizes = [int(d.lstrip("<=")) for d in dims.split(",") if d and d != "?"]
     total += _BYTES.get(dtype, 4) * math.prod(sizes)
   return int(total)
