@@ -178,6 +178,20 @@ def test_scan_body_dot_is_found_once():
     assert report[0].flops == 2 * 4 * 4 * 4
 
 
+def test_every_branch_of_a_conditional_is_listed_at_both_stages():
+  def f(p, a, b):
+    return lax.cond(p, lambda: a @ b, lambda: (a * 2) @ b.T)
+
+  args = (True, jnp.ones((4, 6)), jnp.ones((6, 6)))
+  lowered = matmul_report(f, *args)
+  compiled = matmul_report(f, *args, stage="compiled")
+  for report in (lowered, compiled):
+    assert [r.flops for r in report] == [2 * 4 * 6 * 6] * 2, report
+  # StableHLO keeps branches as regions of main; HLO as computations.
+  assert [r.function for r in lowered] == ["main", "main"]
+  assert len({r.function for r in compiled} - {"main"}) == 2
+
+
 def test_compiled_stage_finds_the_dots_on_cpu():
   ws, x = mlp_params(), jnp.ones((BATCH, 4), BF16)
   lowered = matmul_report(jax.grad(mlp_loss), ws, x)
