@@ -12,6 +12,8 @@ from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
+from jmp_amp._src.gpu_target import gpu_report
+from jmp_amp._src.gpu_target import GpuReport
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
 from jmp_amp._src.loss_scale import NoOpLossScale
@@ -36,6 +38,7 @@ __all__ = (
     "AutocastRules",
     "DEFAULT_AUTOCAST_RULES",
     "DynamicLossScale",
+    "GpuReport",
     "LossScale",
     "LossScalingState",
     "MatmulRecord",
@@ -52,6 +55,7 @@ __all__ = (
     "get_loss_scale",
     "get_policy",
     "get_scaling_state",
+    "gpu_report",
     "half_dtype",
     "loss_scaling",
     "matmul_report",
