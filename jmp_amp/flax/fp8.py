@@ -341,7 +341,8 @@ def _convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe) -> None:
 
 def _restore(module: nnx.Module) -> None:
   op = getattr(module, _KNOB)
-  setattr(module, _KNOB, op.original_dot_general)
+  # nnx.static: the attribute became data when it held the FP8 module.
+  setattr(module, _KNOB, nnx.static(op.original_dot_general))
   if "dtype" in vars(module):
     setattr(module, "dtype", op.original_dtype)
 
