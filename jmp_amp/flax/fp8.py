@@ -6,10 +6,10 @@ an NNX module, set as the knob, that runs the matmul with `float8_e4m3fn`
 operands forward and `float8_e5m2` gradients backward (see
 `jmp_amp._src.fp8`), and sets the module's ``dtype`` knob to the recipe's
 compute dtype (bfloat16), so the layer returns bfloat16. Master weights keep
-their dtype (float32). By default the first and last such modules, in the
-order the model's ``__init__`` assigned them (the order a sequential model
-calls them), keep their matmul, as FP8 recipes recommend; norms, softmax,
-embeddings and the loss are never touched.
+their dtype (float32). By default the first and last such modules keep
+their matmul, as FP8 recipes recommend (in call order when `set_fp8` is given
+example inputs, otherwise in path order); norms, softmax, embeddings, the
+loss and anything without a ``dot_general`` knob are never touched.
 
 Each `FP8DotGeneral` holds its amax histories as `FP8Meta` variables, so they
 are part of the model's state: they go through `nnx.split`/`nnx.merge`,
@@ -21,7 +21,7 @@ step and arrive as the *gradients* of the `FP8Meta` variables, which the step
 writes back instead of handing them to the optimizer (never into optax: the
 "gradient" is the new value). `fp8_value_and_grad` does this::
 
-    grad_fn = jmp_amp.flax.fp8_value_and_grad(loss_fn)
+    grad_fn = fp8.fp8_value_and_grad(loss_fn)
     loss, grads = grad_fn(model, batch)    # histories already updated
     optimizer.update(model, grads)         # grads hold nnx.Param only
 
@@ -40,9 +40,10 @@ non-finite amaxes never enter a history.
 
 Example:
   >>> import models
+  >>> from jmp_amp.flax import fp8
   >>> model = models.MLP(16, 4, num_layers=4, width=32, rngs=nnx.Rngs(0))
-  >>> model = jmp_amp.flax.set_fp8(model)
-  >>> sorted(jmp_amp.flax.fp8_modules(model))
+  >>> model = fp8.set_fp8(model)          # or fp8.delayed_scaling(16)
+  >>> sorted(fp8.fp8_modules(model))
   ['layers/1', 'layers/2']
   >>> model(jnp.ones((2, 16))).dtype
   dtype('float32')
@@ -51,7 +52,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar, Union
+from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 from flax import nnx
 import jax
@@ -60,6 +61,11 @@ from jax import lax
 import numpy as np
 
 from jmp_amp._src import fp8 as fp8_lib
+
+# The recipe types, so that this module alone is the FP8 entry point.
+FP8Recipe = fp8_lib.FP8Recipe
+FP8State = fp8_lib.FP8State
+delayed_scaling = fp8_lib.delayed_scaling
 
 M = TypeVar("M", bound=nnx.Module)
 Selector = Union[str, type]
@@ -119,17 +125,19 @@ def set_fp8(model: M,
             recipe: Union[fp8_lib.FP8Recipe, str, None] = None, *,
             include: Optional[Iterable[Selector]] = None,
             exclude: Iterable[Selector] = (),
-            keep_first_last: bool = True) -> M:
+            keep_first_last: bool = True,
+            example_args: Optional[tuple] = None) -> M:
   """Runs the matmuls of `model`'s ``dot_general`` modules in FP8, in place.
 
   Calling it again replaces the previous FP8 set-up (with fresh histories).
 
   Example:
     >>> import models
+    >>> from jmp_amp.flax import fp8
     >>> model = models.GPT(vocab_size=32, d_model=16, num_heads=2,
     ...                    num_layers=1, max_len=8, rngs=nnx.Rngs(0))
-    >>> _ = jmp_amp.flax.set_fp8(model, "delayed")
-    >>> sorted(jmp_amp.flax.fp8_modules(model))
+    >>> _ = fp8.set_fp8(model, "delayed")
+    >>> sorted(fp8.fp8_modules(model))
     ['blocks/0/attn/proj', 'blocks/0/mlp/fc']
 
   Args:
@@ -142,7 +150,13 @@ def set_fp8(model: M,
     exclude: patterns or classes of modules to leave alone (applied after
       `include`).
     keep_first_last: when `include` is None, leave the first and the last
-      candidate module (in definition order) alone.
+      candidate module alone: in call order if `example_args` is given,
+      otherwise in path order (list indices numerically), which for models
+      whose attribute names do not sort in call order (the GPT's
+      ``attn/proj`` sorts before ``attn/qkv``) is not the call order.
+    example_args: inputs (arrays or `jax.ShapeDtypeStruct`) for one abstract
+      call ``model(*example_args)`` (nothing is computed) that finds the call
+      order for `keep_first_last`.
 
   Returns:
     `model`, for chaining.
@@ -164,6 +178,8 @@ def set_fp8(model: M,
   if include is None:
     chosen = [(p, m) for p, m in modules if _capable(m)]
     if keep_first_last:
+      if example_args is not None:
+        chosen = _call_order(model, chosen, tuple(example_args))
       chosen = chosen[1:-1]
   else:
     chosen = _select(modules, include, "include")
@@ -232,20 +248,20 @@ def fp8_value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False,
   gradients only. Call it inside `nnx.jit` (or a `jax.jit` over split state).
 
   Example:
-    >>> import models, optax
-    >>> model = jmp_amp.flax.set_fp8(
+    >>> import models
+    >>> from jmp_amp.flax import fp8
+    >>> model = fp8.set_fp8(
     ...     models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0)),
-    ...     "delayed", keep_first_last=False)
+    ...     fp8.delayed_scaling(history_len=4), keep_first_last=False)
     >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     >>> @nnx.jit
     ... def step(model, opt, x, y):
-    ...   grad_fn = jmp_amp.flax.fp8_value_and_grad(
-    ...       lambda m: models.mse_loss(m(x), y))
+    ...   grad_fn = fp8.fp8_value_and_grad(lambda m: models.mse_loss(m(x), y))
     ...   loss, grads = grad_fn(model)
     ...   opt.update(model, grads)
     ...   return loss
     >>> loss = step(model, opt, jnp.ones((4, 8)), jnp.zeros((4, 2)))
-    >>> float(jmp_amp.flax.fp8_histories(model)["layers/0"].lhs[0])
+    >>> float(fp8.fp8_histories(model)["layers/0"].lhs[0])
     1.0
   """
   if not callable(loss_fn):
@@ -351,29 +367,55 @@ def _path_str(path: tuple) -> str:
   return "/".join(str(p) for p in path)
 
 
-def _definition_order(obj: Any, path: tuple, seen: set) -> Iterator[tuple]:
-  """Paths of modules in the order their parents assigned them."""
-  if isinstance(obj, (list, tuple, nnx.List)):
-    for i, item in enumerate(obj):
-      yield from _definition_order(item, path + (i,), seen)
-  elif isinstance(obj, (dict, nnx.Dict)):
-    for key, item in obj.items():
-      yield from _definition_order(item, path + (key,), seen)
-  elif isinstance(obj, nnx.Module) and id(obj) not in seen:
-    seen.add(id(obj))
-    yield path
-    for name, value in vars(obj).items():
-      if not name.startswith("_") and not isinstance(value, FP8DotGeneral):
-        yield from _definition_order(value, path + (name,), seen)
+def _path_key(path: tuple) -> tuple:
+  """Sort key: list indices numerically (layers/2 before layers/10)."""
+  return tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k))
+               for k in path)
 
 
 def _ordered_modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
-  """(path, module) pairs of `nnx.iter_modules`, in definition order.
+  """(path, module) pairs of `nnx.iter_modules`, in path order.
 
+  Path order, not attribute-assignment order: it is the same after
+  `nnx.split`/`nnx.merge`, `nnx.eval_shape` or a restore.
   `FP8DotGeneral` modules themselves are left out.
   """
-  order = {p: i for i, p in enumerate(_definition_order(model, (), set()))}
   pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)
            if not isinstance(m, FP8DotGeneral)]
-  return sorted(pairs, key=lambda pm: (order.get(pm[0], len(order)),
-                                       _path_str(pm[0])))
+  return sorted(pairs, key=lambda pm: _path_key(pm[0]))
+
+
+def _call_order(model: nnx.Module, candidates: list, example_args: tuple
+                ) -> list:
+  """`candidates` in the order an abstract ``model(*example_args)`` calls them.
+
+  Each candidate's ``dot_general`` knob is swapped, for the duration of one
+  `nnx.eval_shape` pass, for a wrapper that records the module's path.
+  Candidates the pass does not call go last, in path order.
+  """
+  calls: list[tuple] = []
+
+  def recorder(path, original):
+    original = lax.dot_general if original is None else original
+
+    def dot_general(*args, **kwargs):
+      if path not in calls:
+        calls.append(path)
+      return original(*args, **kwargs)
+    return dot_general
+
+  saved = [(m, getattr(m, _KNOB)) for _, m in candidates]
+  try:
+    for path, module in candidates:
+      current = getattr(module, _KNOB)
+      if isinstance(current, FP8DotGeneral):
+        current = current.original_dot_general
+      setattr(module, _KNOB, nnx.static(recorder(path, current)))
+    nnx.eval_shape(lambda m, *a: m(*a), model, *example_args)
+  finally:
+    for module, knob in saved:
+      setattr(module, _KNOB,
+              nnx.data(knob) if isinstance(knob, FP8DotGeneral) else knob)
+  rank = {p: i for i, p in enumerate(calls)}
+  return sorted(candidates, key=lambda pm: (rank.get(pm[0], len(rank)),
+                                            _path_key(pm[0])))
