@@ -1,8 +1,8 @@
 """FP8 train steps compiled for an H100 without a GPU: which GEMMs run in FP8.
 
 Compiles the train steps of the reference MLP (PyTorch AMP recipe sizes) and
-GPT under `jmp_amp.flax.set_fp8` (default rules: first and last matmul layers
-excluded) for an H100 with XLA:GPU's deviceless AOT compiler
+GPT under `jmp_amp.flax.set_fp8` (default rules: the first and last matmul
+layers, in call order, excluded) for an H100 with XLA:GPU's deviceless AOT compiler
 (``../shared/tools/aot_h100.py``), and lists the cuBLAS GEMMs of the optimized
 program with their operand dtypes. Every FP8 layer should contribute three FP8
 GEMMs: the forward ``f8e4m3fn x f8e4m3fn``, and in the backward pass the input
@@ -71,23 +71,25 @@ def _abstract(build):
 
 
 def _mlp_case():
+  batch = (jax.ShapeDtypeStruct((512, 4096), jnp.float32),
+           jax.ShapeDtypeStruct((512, 4096), jnp.float32))
+
   def build():
     model = models.MLP(4096, 4096, num_layers=3, dtype=jnp.bfloat16,
                        rngs=nnx.Rngs(0))
-    return flax_fp8.set_fp8(model)
-  batch = (jax.ShapeDtypeStruct((512, 4096), jnp.float32),
-           jax.ShapeDtypeStruct((512, 4096), jnp.float32))
+    return flax_fp8.set_fp8(model, example_args=batch[:1])
   loss = lambda m, b: models.mse_loss(m(b[0]), b[1])
   return build, batch, loss
 
 
 def _gpt_case():
+  batch = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
+
   def build():
     model = models.GPT(vocab_size=8192, d_model=1024, num_heads=16,
                        num_layers=4, max_len=1024, dtype=jnp.bfloat16,
                        rngs=nnx.Rngs(0))
-    return flax_fp8.set_fp8(model)
-  batch = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
+    return flax_fp8.set_fp8(model, example_args=(batch,))
   loss = lambda m, b: models.lm_loss(m(b), b)
   return build, batch, loss
 
@@ -97,7 +99,7 @@ CASES = {"mlp": _mlp_case, "gpt": _gpt_case}
 
 def run_case(name: str) -> dict:
   build, batch, loss = CASES[name]()
-  fp8_layers = sorted(flax_fp8.fp8_modules(build()))
+  fp8_layers = sorted(flax_fp8.fp8_modules(nnx.eval_shape(build)))
   graphdef, state = _abstract(build)
   mesh = aot_h100.h100_mesh(1)
   repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
