@@ -20,7 +20,8 @@ Scaling recipes (`FP8Recipe`):
   own amax, in the same step. Needs no state.
 * ``"delayed"`` (TransformerEngine's recipe): the scale comes from the largest
   amax of the last ``history_len`` steps, and this step's amax is pushed into
-  the history. The history (`FP8State`) is state the training loop carries.
+  the history (an all-zero history, on the first step, uses this step's amax).
+  The history (`FP8State`) is state the training loop carries.
 
 How the histories are updated without leaving the jitted step: the gradient
 amax is only known in the backward pass, so `fp8_dot_general` takes the
@@ -227,7 +228,7 @@ class FP8State(NamedTuple):
 
 
 def init_state(recipe: FP8Recipe = FP8Recipe()) -> FP8State:
-  """All-zero histories (the first delayed-scaling step uses scale 1)."""
+  """All-zero histories (the first delayed-scaling step scales currently)."""
   zeros = jnp.zeros((recipe.history_len,), jnp.float32)
   return FP8State(zeros, zeros, zeros)
 
@@ -239,7 +240,10 @@ def scale_of(x: jax.Array, history: jax.Array, dtype: Any,
   if recipe.scaling == "current":
     basis = current
   else:
-    basis = jnp.max(history)
+    # An empty (all-zero) history, on the first step, falls back to the
+    # current amax rather than scale 1.
+    past = jnp.max(history)
+    basis = jnp.where(past > 0, past, current)
   return (compute_scale(basis, dtype, recipe.margin),
           update_history(history, current))
 
