@@ -198,6 +198,32 @@ def test_default_output_is_bf16_and_backward_is_rounded_through_e5m2():
   assert "f8_e4m3fn" in jaxpr and "f8_e5m2" in jaxpr
 
 
+def test_overflowing_gradient_stays_nonfinite_and_spares_history():
+  """An inf cotangent reaches loss_scaling's finite check; no inf amax kept."""
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
+  state = fp8.FP8State(*(jnp.array([1.0, 2.0]),) * 3)
+  recipe = fp8.delayed_scaling(history_len=2)
+  _, vjp = jax.vjp(lambda a, b, s: fp8.fp8_dot_general(
+      a, b, MATMUL, state=s, recipe=recipe), x, w, state)
+  g = jnp.array([[1.0, jnp.inf], [1.0, 1.0]], jnp.bfloat16)
+  dx, dw, new_state = vjp(g)
+  assert not bool(jmp_amp.all_finite((dx, dw)))
+  np.testing.assert_array_equal(new_state.grad, [2.0, 1.0])
+
+
+def test_autocast_entry_point_takes_equation_params():
+  x, w = jnp.ones((4, 8)), jnp.full((8, 3), 0.5)
+  eqn = jax.make_jaxpr(lambda a, b: a @ b)(x, w).eqns[0]
+  assert eqn.primitive.name == "dot_general"
+  y = fp8.autocast_dot_general(x, w, **eqn.params)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), 4.0)
+  dx = jax.grad(lambda a: fp8.autocast_dot_general(a, w, **eqn.params)
+                .astype(jnp.float32).sum())(x)
+  assert dx.dtype == jnp.float32
+  np.testing.assert_array_equal(dx, 1.5)
+
+
 def test_bad_arguments_raise_clear_errors():
   with pytest.raises(ValueError, match="delayed scaling needs state="):
     fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,

@@ -372,11 +372,19 @@ def autocast_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                          **kwargs) -> jax.Array:
   """Stateless FP8 `dot_general` (current scaling) for op-level autocast.
 
-  Takes the parameters of the ``dot_general`` primitive as an autocast pass
-  sees them; ``out_sharding`` is forwarded, other primitive parameters are
-  ignored.
+  Takes the parameters of a ``dot_general`` equation as an autocast pass sees
+  them (``fp8.autocast_dot_general(lhs, rhs, **eqn.params)``) and returns the
+  recipe's compute dtype (bfloat16), as autocast returns half matmuls: the
+  traced ``preferred_element_type`` (float32 for float32 operands) is
+  ignored. ``out_sharding`` is forwarded; other parameters are ignored.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+    >>> eqn = jax.make_jaxpr(lambda a, b: a @ b)(x, w).eqns[0]
+    >>> fp8.autocast_dot_general(x, w, **eqn.params).dtype
+    dtype(bfloat16)
   """
-  out_sharding = kwargs.get("out_sharding")
+  del preferred_element_type
   return fp8_dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                         preferred_element_type=preferred_element_type,
-                         out_sharding=out_sharding)
+                         out_sharding=kwargs.get("out_sharding"))
