@@ -443,7 +443,8 @@ def _train_scan(model, loss_fn, batches, lr):
   opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
 
-  @jax.jit
+  # Donated: the FP8 histories must be distinct buffers.
+  @functools.partial(jax.jit, donate_argnums=0)
   def train(state, batches):
     def body(state, batch):
       model, opt = nnx.merge(graphdef, state)

@@ -229,8 +229,9 @@ class FP8State(NamedTuple):
 
 def init_state(recipe: FP8Recipe = FP8Recipe()) -> FP8State:
   """All-zero histories (the first delayed-scaling step scales currently)."""
-  zeros = jnp.zeros((recipe.history_len,), jnp.float32)
-  return FP8State(zeros, zeros, zeros)
+  # Three distinct buffers, so that a step can donate all of them.
+  return FP8State(*(jnp.zeros((recipe.history_len,), jnp.float32)
+                    for _ in FP8State._fields))
 
 
 def scale_of(x: jax.Array, history: jax.Array, dtype: Any,
