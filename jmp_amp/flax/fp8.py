@@ -90,6 +90,9 @@ class FP8DotGeneral(nnx.Module):
       histories of the input, the kernel and the output gradient.
     original_dot_general, original_dtype: the knobs it replaced (static),
       restored by `clear_fp8`.
+
+  A module called more than once per step (shared weights) would receive the
+  sum of its new histories; give each call its own module, or exclude it.
   """
 
   def __init__(self, recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe(), *,
@@ -136,7 +139,11 @@ def set_fp8(model: M,
     >>> from jmp_amp.flax import fp8
     >>> model = models.GPT(vocab_size=32, d_model=16, num_heads=2,
     ...                    num_layers=1, max_len=8, rngs=nnx.Rngs(0))
-    >>> _ = fp8.set_fp8(model, "delayed")
+    >>> _ = fp8.set_fp8(model, "delayed")  # path order: attn/proj sorts first
+    >>> sorted(fp8.fp8_modules(model))
+    ['blocks/0/attn/qkv', 'blocks/0/mlp/fc']
+    >>> tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    >>> _ = fp8.set_fp8(model, "delayed", example_args=(tokens,))  # call order
     >>> sorted(fp8.fp8_modules(model))
     ['blocks/0/attn/proj', 'blocks/0/mlp/fc']
 
