@@ -28,7 +28,8 @@ writes back instead of handing them to the optimizer (never into optax: the
 An optimizer built with ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never sees
 the histories. A step that differentiates only ``nnx.Param`` still trains
 under current scaling (the default), whose scales need no history; only the
-monitoring histories then stay at zero. Delayed scaling needs the update.
+monitoring histories then stay at zero. Delayed scaling needs the update:
+without it its history stays empty and it falls back to current scaling.
 
 Loss scaling: E5M2 spans the float32-like range of the bfloat16 gradients and
 each gradient tensor gets its own scale from its amax, so no loss scaling is
