@@ -12,6 +12,10 @@ from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
+from jmp_amp._src.fp8 import delayed_scaling
+from jmp_amp._src.fp8 import fp8_dot_general
+from jmp_amp._src.fp8 import FP8Recipe
+from jmp_amp._src.fp8 import FP8State
 from jmp_amp._src.gpu_target import gpu_report
 from jmp_amp._src.gpu_target import GpuReport
 from jmp_amp._src.loss_scale import DynamicLossScale
@@ -35,6 +39,8 @@ from jmp_amp._src.tree import select_tree
 __version__ = "0.1.0"
 
 __all__ = (
+    "FP8Recipe",
+    "FP8State",
     "AutocastRules",
     "DEFAULT_AUTOCAST_RULES",
     "DynamicLossScale",
@@ -51,7 +57,9 @@ __all__ = (
     "cast_to_full",
     "cast_to_half",
     "conv_general_dilated",
+    "delayed_scaling",
     "dot_general",
+    "fp8_dot_general",
     "get_loss_scale",
     "get_policy",
     "get_scaling_state",

@@ -9,6 +9,9 @@
   TrainState ``apply_fn``).
 * Train steps (`jmp_amp.flax.train`): `make_train_step` (NNX + nnx.Optimizer),
   `make_linen_train_step` (TrainState), with `jmp_amp.loss_scaling`.
+* FP8 (`jmp_amp.flax.fp8`): `set_fp8(model)` runs Linear layers' matmuls in
+  FP8 (E4M3 forward, E5M2 backward, per-tensor current or delayed scaling);
+  `fp8_value_and_grad` updates the scaling state.
 
 Example:
   >>> import jmp_amp.flax
@@ -27,6 +30,15 @@ Example:
 Not imported by `import jmp_amp`, so the core stays free of Flax.
 """
 
+from jmp_amp.flax import fp8
+from jmp_amp.flax.fp8 import clear_fp8
+from jmp_amp.flax.fp8 import FP8DotGeneral
+from jmp_amp.flax.fp8 import FP8Meta
+from jmp_amp.flax.fp8 import fp8_histories
+from jmp_amp.flax.fp8 import fp8_modules
+from jmp_amp.flax.fp8 import fp8_value_and_grad
+from jmp_amp.flax.fp8 import set_fp8
+from jmp_amp.flax.fp8 import update_fp8_state
 from jmp_amp.flax.linen import apply_with_policies
 from jmp_amp.flax.linen import init_with_policies
 from jmp_amp.flax.linen import policied_apply
@@ -43,12 +55,19 @@ from jmp_amp.flax.train import make_train_step
 from jmp_amp.flax.train import TrainState
 
 __all__ = (
+    "FP8DotGeneral",
+    "FP8Meta",
     "NORM_CLASSES",
     "PolicyRules",
     "TrainState",
     "apply_with_policies",
     "cast_boundary",
+    "clear_fp8",
     "clear_policies",
+    "fp8",
+    "fp8_histories",
+    "fp8_modules",
+    "fp8_value_and_grad",
     "get_policies",
     "init_with_policies",
     "make_linen_train_step",
@@ -56,5 +75,7 @@ __all__ = (
     "mixed_rules",
     "policied_apply",
     "policy_of",
+    "set_fp8",
     "set_policies",
+    "update_fp8_state",
 )
