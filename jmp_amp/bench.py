@@ -589,6 +589,10 @@ def verdict(runs: list[dict[str, Any]]) -> str:
               / max(abs(base["final_loss"]), 1e-12)
               for r in ok if r["framework"] == "jax")
     parts.append(f"final losses within {dev:.2%} of float32's")
+  spreads = [r["step_spread"] for r in ok if r.get("step_spread") is not None]
+  if spreads and max(spreads) > 0.2:
+    parts.append(f"timings are noisy (spread up to {max(spreads):.0%}): "
+                 "use more --repeats or an idle machine")
   failed = [r["mode"] for r in runs if r.get("status") != "ok"]
   if failed:
     parts.append(f"{len(failed)} failed ({', '.join(failed)})")
