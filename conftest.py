@@ -22,7 +22,7 @@ import jmp_amp
 collect_ignore = ["tests/sharded_check.py", "tests/data"]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _doctest_names(doctest_namespace):
   from flax import linen as nn  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top

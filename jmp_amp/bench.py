@@ -464,10 +464,7 @@ def add_ratios(runs: list[dict[str, Any]]) -> None:
 
 
 def _fmt(value, spec, suffix=""):
-  if value is None or (isinstance(value, float) and math.isnan(value)
-                       and spec != ".4g"):
-    return "-"
-  return format(value, spec) + suffix
+  return "-" if value is None else format(value, spec) + suffix
 
 
 def _matmul_cell(matmuls: Any) -> str:
@@ -491,9 +488,9 @@ _COLUMN_SPECS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool, int],
                      ...] = (
     ("mode", lambda r: r["mode"], False, 0),
     ("step ms", lambda r: _fmt(r["median_step_s"] * 1e3, ".2f"), True, 1),
-    ("spread", lambda r: _fmt(r.get("step_spread") and
-                              r["step_spread"] * 100, ".0f", "%")
-     if r.get("step_spread") is not None else "-", True, 7),
+    ("spread", lambda r: _fmt(None if r.get("step_spread") is None
+                              else r["step_spread"] * 100, ".0f", "%"),
+     True, 7),
     ("speed-up", lambda r: _fmt(r.get("speedup_vs_float32"), ".2f", "x"),
      True, 2),
     ("memory", lambda r: _memory_cell(r, r.get("memory_ratio_vs_float32"),
@@ -808,9 +805,9 @@ def check_before_running(args: argparse.Namespace,
     _check_dir_destination(parser, "--hlo-dir", args.hlo_dir)
   if args.compare_torch and importlib.util.find_spec("torch") is None:
     parser.error("--compare-torch needs PyTorch, which is not installed: "
-                 "pip install 'jmp-amp[torch]' (on a CPU-only machine first "
-                 "pip install torch --index-url "
-                 "https://download.pytorch.org/whl/cpu)")
+                 "pip install 'jmp-amp[torch]' (on a CPU-only machine, "
+                 "install PyTorch's CPU build first, or pip fetches a "
+                 "multi-GB CUDA build)")
 
 
 def config_from_args(args: argparse.Namespace,
@@ -957,6 +954,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _worker(args.worker)
   check_before_running(args, parser)
   cfg = config_from_args(args, parser)
+  # On a GPU, JAX would otherwise reserve 75% of the memory in this process
+  # and again in each fresh per-mode process (and leave none to torch); the
+  # peak-memory figures count live buffers either way.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   runs = run(args, cfg)
   env = {k: runs[0][k] for k in ("device", "platform", "versions")}
   print_table(runs, env, cfg)
