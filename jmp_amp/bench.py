@@ -952,8 +952,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   if args.worker:
     return _worker(args.worker)
-  check_before_running(args, parser)
   cfg = config_from_args(args, parser)
+  check_before_running(args, parser)
   # On a GPU, JAX would otherwise reserve 75% of the memory in this process
   # and again in each fresh per-mode process (and leave none to torch); the
   # peak-memory figures count live buffers either way.
