@@ -126,7 +126,7 @@ def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
 
   if mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
-    jflax.set_policies(model, jflax.mixed_rules(half.name))
+    jflax.set_policies(model, jflax.mixed_rules(half))
   tx = jmp_amp.loss_scaling(optax.sgd(cfg.lr),
                             _loss_scale_for(mode, cfg.init_scale))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -759,6 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bar charts of step time and memory per mode "
                       "(needs matplotlib)")
   parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--target", choices=["h100"],
+                      help="compile each mode for this GPU without one and "
+                      "report GEMM dtypes, kernels, memory and bytes "
+                      "(compiler figures, not timings; needs the gpu-audit "
+                      "extra)")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   return parser
 
@@ -954,6 +959,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _worker(args.worker)
   cfg = config_from_args(args, parser)
   check_before_running(args, parser)
+  if args.target:
+    from jmp_amp import gpu_bench  # pylint: disable=g-import-not-at-top
+    return gpu_bench.run(args, cfg)
   # On a GPU, JAX would otherwise reserve 75% of the memory in this process
   # and again in each fresh per-mode process (and leave none to torch); the
   # peak-memory figures count live buffers either way.
