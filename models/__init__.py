@@ -11,22 +11,22 @@ so precision policies can be applied from outside.
 * `data`: deterministic synthetic batches for each.
 """
 
-from models import data
-from models.convert import linen_variables_from_nnx
-from models.gpt import GPT
-from models.gpt import Block as GPTBlock
-from models.gpt import CausalSelfAttention
-from models.gpt import MLPBlock
-from models.gpt import lm_loss
-from models.mlp import LinenMLP
-from models.mlp import MLP
-from models.mlp import linen_params_from_nnx
-from models.mlp import mse_loss
-from models.resnet import BasicBlock
-from models.resnet import LinenBasicBlock
-from models.resnet import LinenResNet
-from models.resnet import ResNet
-from models.resnet import cross_entropy_loss
+from . import data
+from .convert import linen_variables_from_nnx
+from .gpt import GPT
+from .gpt import Block as GPTBlock
+from .gpt import CausalSelfAttention
+from .gpt import MLPBlock
+from .gpt import lm_loss
+from .mlp import LinenMLP
+from .mlp import MLP
+from .mlp import linen_params_from_nnx
+from .mlp import mse_loss
+from .resnet import BasicBlock
+from .resnet import LinenBasicBlock
+from .resnet import LinenResNet
+from .resnet import ResNet
+from .resnet import cross_entropy_loss
 
 __all__ = [
     "BasicBlock", "CausalSelfAttention", "GPT", "GPTBlock", "LinenBasicBlock",

@@ -27,6 +27,11 @@ def regression_batches(num_batches: int, batch_size: int, in_size: int,
     out_size: target features.
     seed: random seed.
 
+  Example:
+    >>> xs, ys = regression_batches(2, 4, 3, 1)
+    >>> xs.shape, ys.shape
+    ((2, 4, 3), (2, 4, 1))
+
   Returns:
     ``(inputs, targets)``: float32 arrays ``[num_batches, batch_size,
     in_size]`` and ``[num_batches, batch_size, out_size]``; iterating over

@@ -21,7 +21,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from models.convert import linen_variables_from_nnx
+from .convert import linen_variables_from_nnx
 
 Dtype = Any
 

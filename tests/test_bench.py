@@ -1,6 +1,9 @@
 """Tests for the `jmp-amp bench` CLI (tiny sizes)."""
 
 import json
+import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -8,18 +11,31 @@ import pytest
 
 from jmp_amp import bench
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--width", "32", "--layers", "3", "--batch-size", "8", "--batches",
         "2", "--epochs", "2", "--warmup", "1", "--no-progress"]
 
 RUN_KEYS = {
     "schema", "mode", "framework", "status", "config", "device", "platform",
-    "device_count",
-    "versions", "compile_s", "median_step_s", "total_s", "steps_per_s",
+    "device_count", "isolated", "baseline",
+    "versions", "compile_s", "median_step_s", "repeat_median_step_s",
+    "step_spread", "total_s", "steps_per_s",
     "samples_per_s", "peak_memory_bytes", "memory_source", "compiled_memory",
     "final_loss", "skipped_steps", "loss_scale", "matmuls", "tflops",
     "speedup_vs_float32", "memory_ratio_vs_float32",
     "compiled_temp_ratio_vs_float32",
 }
+
+
+def _read(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _env(**extra):
+  env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+  env.pop("COLUMNS", None)
+  env.update(extra)
+  return env
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +44,9 @@ def tiny_runs(tmp_path_factory):
   path = out / "runs.jsonl"
   plot_path = out / "plot.png"
   hlo_dir = out / "hlo"
-  code = bench.main(["bench", *TINY, "--json", str(path), "--plot",
-                     str(plot_path), "--hlo-dir", str(hlo_dir)])
-  runs = [json.loads(line) for line in path.read_text().splitlines()]
-  return code, runs, plot_path, hlo_dir
+  code = bench.main(["bench", *TINY, "--repeats", "2", "--json", str(path),
+                     "--plot", str(plot_path), "--hlo-dir", str(hlo_dir)])
+  return code, _read(path), plot_path, hlo_dir
 
 
 def test_every_default_mode_runs_with_stable_schema(tiny_runs):
@@ -44,6 +59,10 @@ def test_every_default_mode_runs_with_stable_schema(tiny_runs):
     assert r["schema"] == bench.SCHEMA
     assert r["versions"]["jax"] and r["device"]
     assert r["median_step_s"] > 0 and r["compile_s"] > 0
+    assert len(r["repeat_median_step_s"]) == 2
+    assert r["step_spread"] >= 0
+    assert r["baseline"] == "float32"
+    assert r["isolated"] is False  # the CPU reports no device peak
   assert plot_path.stat().st_size > 1000
   assert len(list(hlo_dir.iterdir())) == len(bench.DEFAULT_MODES)
 
@@ -58,21 +77,108 @@ def test_half_modes_have_all_dots_in_half_and_fp16_stays_finite(tiny_runs):
   fp16 = by_mode["fp16"]
   assert fp16["final_loss"] == pytest.approx(fp16["final_loss"])  # not NaN
   assert fp16["loss_scale"] >= 1.0
+  assert by_mode["bf16"]["loss_scale"] is None  # no loss scaling
   # On CPU the compiled memory ratio is recorded for every mode.
   assert by_mode["bf16"]["compiled_temp_ratio_vs_float32"] is not None
   assert by_mode["float32"]["speedup_vs_float32"] == pytest.approx(1.0)
 
 
-def test_compare_torch_adds_three_rows(tmp_path):
+def _report(runs, width):
+  cfg = bench.Config(**runs[0]["config"])
+  env = {k: runs[0][k] for k in ("device", "platform")}
+  return bench.format_report(runs, env, cfg, width=width)
+
+
+def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
+  _, runs, _, _ = tiny_runs
+  text = _report(runs, 80)
+  lines = text.splitlines()
+  assert max(len(line) for line in lines) <= 80, text
+  header = lines[1].split()
+  assert header[:2] == ["mode", "step"] and "speed-up" in header, text
+  for mode in bench.DEFAULT_MODES:  # every row, and every row's matmuls
+    assert any(line.startswith(mode + " ") for line in lines), mode
+    assert any(line.startswith(f"  {mode}: ") for line in lines), mode
+  flat = " ".join(text.split())
+  assert "speed-up: the float32 row's step time / this row's" in flat
+  assert "memory: this row's peak memory / the float32 row's" in flat
+  assert "Not shown at this width:" in text
+  verdicts = [line for line in lines if line.startswith("Verdict: ")]
+  assert len(verdicts) == 1 and "fastest JAX mode" in verdicts[0], text
+  assert "half precision is not expected to be faster here" in " ".join(
+      text.split())
+
+
+def test_wide_terminal_shows_every_column(tiny_runs):
+  _, runs, _, _ = tiny_runs
+  wide = _report(runs, 250)
+  assert wide.splitlines()[1].split("  ")[0] == "mode"
+  for column in bench.COLUMNS:
+    assert column in wide.splitlines()[1], column
+  assert "Not shown at this width" not in wide
+  assert "f32 x f32 -> f32" in wide.splitlines()[3]  # in the float32 row
+
+
+def test_module_entry_point_fits_columns_80(tmp_path):
+  # From a directory holding its own models.py: the bench must use
+  # jmp_amp.models, never a top-level `models` found in the current directory.
+  (tmp_path / "models.py").write_text(
+      "raise ImportError('the user project models.py was imported')\n")
+  result = subprocess.run(
+      [sys.executable, "-m", "jmp_amp.bench", *TINY, "--policy", "bf16",
+       "--policy", "float32", "--repeats", "1"],
+      capture_output=True, text=True, check=False, timeout=300,
+      cwd=tmp_path, env=_env(COLUMNS="80"))
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert "step ms" in result.stdout and "Verdict: " in result.stdout
+  assert max(len(line) for line in lines) <= 80, result.stdout
+
+
+def test_jmp_amp_without_command_prints_help(capsys):
+  assert bench.cli([]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("usage: jmp-amp")
+  assert "bench" in out and "jmp-amp COMMAND --help" in out
+
+
+def test_unknown_command_names_itself(capsys):
+  with pytest.raises(SystemExit) as info:
+    bench.cli(["frobnicate"])
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert "jmp-amp: error: unknown command 'frobnicate'" in err
+  assert "jmp-amp bench" not in err
+
+
+def test_cli_dispatches_to_bench(monkeypatch):
+  seen = []
+  monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
+  assert bench.cli(["bench", "--policy", "bf16"]) == 0
+  assert seen == [["bench", "--policy", "bf16"]]
+
+
+def test_compare_torch_same_weights_and_batches(tmp_path):
   pytest.importorskip("torch")
   path = tmp_path / "t.jsonl"
-  assert bench.main([*TINY, "--policy", "bf16", "--compare-torch", "--json",
+  assert bench.main([*TINY, "--policy", "float32", "--policy", "bf16",
+                     "--compare-torch", "--repeats", "1", "--json",
                      str(path)]) == 0
-  runs = [json.loads(line) for line in path.read_text().splitlines()]
-  assert [r["mode"] for r in runs] == ["bf16", *bench.TORCH_MODES]
+  runs = _read(path)
+  assert [r["mode"] for r in runs] == ["float32", "bf16", *bench.TORCH_MODES]
   assert all(set(r) == RUN_KEYS for r in runs)
-  assert {r["framework"] for r in runs} == {"jax", "torch"}
-  assert runs[1]["speedup_vs_float32"] == pytest.approx(1.0)
+  by_mode = {r["mode"]: r for r in runs}
+  # Same initial weights, same batches, same SGD: the float32 runs agree.
+  assert by_mode["torch-float32"]["final_loss"] == pytest.approx(
+      by_mode["float32"]["final_loss"], abs=1e-3)
+  assert by_mode["torch-float32"]["speedup_vs_float32"] == pytest.approx(1.0)
+  assert by_mode["torch-float32"]["baseline"] == "torch-float32"
+  for mode in ("torch-autocast", "torch-autocast+scaler"):
+    assert by_mode[mode]["matmuls"] == {"autocast_dtype": "float16"}
+  assert by_mode["torch-autocast+scaler"]["loss_scale"] >= 1
+  text = " ".join(_report(runs, 80).split())
+  assert "(torch rows: torch-float32's)" in text
+  assert "torch-autocast: torch autocast, really ran float16" in text
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -82,6 +188,10 @@ def test_compare_torch_adds_three_rows(tmp_path):
     (["--model", "vgg"], "invalid choice: 'vgg'"),
     (["--steps", "2", "--warmup", "2"], "must be smaller than the number of steps"),
     (["--lr", "-1"], "expected a positive number"),
+    (["--repeats", "0"], "argument --repeats: expected a positive integer"),
+    (["--seed", "-3"], "argument --seed: expected an integer from 0 to "
+     "2**32 - 1, got -3"),
+    (["--seed", "1.5"], "argument --seed: expected an integer"),
     (["--model", "gpt", "--compare-torch"], "--model mlp only"),
 ])
 def test_bad_flags_give_argparse_errors(flags, message, capsys):
@@ -91,27 +201,105 @@ def test_bad_flags_give_argparse_errors(flags, message, capsys):
   assert message in capsys.readouterr().err
 
 
-def test_failing_mode_is_reported_and_others_still_run(monkeypatch, tmp_path):
+@pytest.fixture
+def nothing_runs(monkeypatch):
+  """Fails the test if the bench starts running any mode."""
+  def forbidden(*args, **kwargs):
+    raise AssertionError("the bench ran before checking its arguments")
+  monkeypatch.setattr(bench, "run", forbidden)
+
+
+def test_bad_destinations_fail_before_running_naming_the_path(
+    tmp_path, nothing_runs, capsys):
+  a_file = tmp_path / "file.txt"
+  a_file.write_text("x")
+  cases = [
+      (["--json", str(tmp_path / "missing" / "x.jsonl")],
+       f"--json {tmp_path / 'missing' / 'x.jsonl'}: the directory "
+       f"{tmp_path / 'missing'} does not exist"),
+      (["--json", str(tmp_path)], f"--json {tmp_path}: is a directory"),
+      (["--plot", str(tmp_path / "no" / "p.png")],
+       f"--plot {tmp_path / 'no' / 'p.png'}: the directory"),
+      (["--hlo-dir", str(a_file)],
+       f"--hlo-dir {a_file}: exists and is not a directory"),
+      (["--hlo-dir", str(tmp_path / "a" / "b")],
+       f"--hlo-dir {tmp_path / 'a' / 'b'}: the directory {tmp_path / 'a'} "
+       "does not exist"),
+  ]
+  for flags, message in cases:
+    with pytest.raises(SystemExit) as info:
+      bench.main([*TINY, *flags])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err, flags
+
+
+def test_missing_optional_dependencies_fail_before_running(
+    tmp_path, nothing_runs, monkeypatch, capsys):
+  real = bench.importlib.util.find_spec
+  monkeypatch.setattr(
+      bench.importlib.util, "find_spec",
+      lambda name, *a: None if name in ("matplotlib", "torch") else real(name))
+  for flags, message in [
+      (["--plot", str(tmp_path / "p.png")],
+       "--plot needs matplotlib, which is not installed: pip install "
+       "'jmp-amp[bench]'"),
+      (["--compare-torch"], "--compare-torch needs PyTorch, which is not "
+       "installed: pip install 'jmp-amp[torch]'")]:
+    with pytest.raises(SystemExit):
+      bench.main([*TINY, *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_failing_mode_is_reported_in_full_and_others_still_run(
+    monkeypatch, tmp_path, capsys):
   original = bench.BUILDERS["mlp"]
+  long_error = ("RESOURCE_EXHAUSTED: out of memory (simulated) while "
+                "allocating " + " ".join(f"buffer{i}" for i in range(40))
+                + " END-OF-ERROR")
 
   def flaky(mode, cfg):
     if mode is bench.JAX_MODES["bf16"]:
-      raise MemoryError("RESOURCE_EXHAUSTED: out of memory (simulated)")
+      raise MemoryError(long_error)
     return original(mode, cfg)
 
   monkeypatch.setitem(bench.BUILDERS, "mlp", flaky)
   path = tmp_path / "f.jsonl"
   code = bench.main([*TINY, "--policy", "float32", "--policy", "bf16",
-                     "--policy", "fp16", "--json", str(path)])
-  runs = [json.loads(line) for line in path.read_text().splitlines()]
+                     "--policy", "fp16", "--repeats", "1", "--json",
+                     str(path)])
+  runs = _read(path)
   assert code == 1
   assert [r["status"] for r in runs] == ["ok", "failed", "ok"]
-  assert "out of memory" in runs[1]["error"]
+  assert runs[1]["error"] == f"MemoryError: {long_error}"
+  out = capsys.readouterr().out
+  # The whole message is printed (wrapped, never cut).
+  assert f"FAILED bf16: MemoryError: {long_error}" in " ".join(out.split())
+  assert "1 failed (bf16)" in out
 
 
-def test_module_entry_point_runs():
-  result = subprocess.run(
-      [sys.executable, "-m", "jmp_amp.bench", *TINY, "--policy", "bf16"],
-      capture_output=True, text=True, check=False, timeout=300)
-  assert result.returncode == 0, result.stderr
-  assert "bf16" in result.stdout and "step ms" in result.stdout
+def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
+  flags = [*TINY, "--policy", "fp16", "--policy", "float32", "--repeats", "1"]
+  isolated, in_process, alone = (tmp_path / n for n in ("i", "p", "a"))
+  assert bench.main([*flags, "--isolate", "yes", "--json", str(isolated)]) == 0
+  assert bench.main([*flags, "--isolate", "no", "--json", str(in_process)]) == 0
+  assert bench.main([*TINY, "--policy", "float32", "--repeats", "1",
+                     "--json", str(alone)]) == 0
+  iso, inp, one = _read(isolated), _read(in_process), _read(alone)
+  assert [r["isolated"] for r in iso] == [True, True]
+  assert [r["final_loss"] for r in iso] == [r["final_loss"] for r in inp]
+  # float32's peak after fp16 ran is float32's alone: nothing inherited.
+  assert iso[1]["peak_memory_bytes"] == one[0]["peak_memory_bytes"]
+  assert inp[1]["peak_memory_bytes"] == one[0]["peak_memory_bytes"]
+  assert iso[0]["peak_memory_bytes"] != iso[1]["peak_memory_bytes"]
+
+
+def test_repeats_train_the_same_steps_each_time(tmp_path):
+  one, three = tmp_path / "1", tmp_path / "3"
+  flags = [*TINY, "--policy", "fp16"]
+  assert bench.main([*flags, "--repeats", "1", "--json", str(one)]) == 0
+  assert bench.main([*flags, "--repeats", "3", "--json", str(three)]) == 0
+  a, b = _read(one)[0], _read(three)[0]
+  assert a["final_loss"] == b["final_loss"]
+  assert a["loss_scale"] == b["loss_scale"]
+  assert len(b["repeat_median_step_s"]) == 3
+  assert re.fullmatch(r"[0-9.]+", f"{b['step_spread']}")

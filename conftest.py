@@ -1,0 +1,30 @@
+"""Root pytest configuration: the namespace every `>>>` example may rely on.
+
+`python -m pytest` collects the doctests of every module under jmp_amp/
+(`--doctest-modules` in pyproject.toml). An example is self-contained, or
+uses only these names, which every doctest gets without importing them:
+
+  jax, jnp (jax.numpy), np (numpy), optax, nnx (flax.nnx), nn (flax.linen),
+  jmp_amp.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_amp
+
+# Helpers whose import has side effects (sharded_check sets XLA_FLAGS for a
+# subprocess) are not doctest-collected; the scripts that record reference
+# data import torch/keras and run only as scripts.
+collect_ignore = ["tests/sharded_check.py", "tests/data"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _doctest_names(doctest_namespace):
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  doctest_namespace.update(jax=jax, jnp=jnp, np=np, optax=optax, nnx=nnx,
+                           nn=nn, jmp_amp=jmp_amp)
