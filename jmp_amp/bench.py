@@ -701,9 +701,10 @@ _seed_arg = _number(int, lambda v: 0 <= v < 2**32,
                     "an integer from 0 to 2**32 - 1")
 _positive_float = _number(float, lambda v: math.isfinite(v) and v > 0,
                           "a positive number")
-# DynamicLossScale's floor (min_loss_scale) is 1.
-_loss_scale_arg = _number(float, lambda v: math.isfinite(v) and v >= 1,
-                          "a finite number >= 1")
+# DynamicLossScale's floor (min_loss_scale) is 1; the scale lives in float32.
+_F32_MAX = float(np.finfo(np.float32).max)
+_loss_scale_arg = _number(float, lambda v: 1 <= v <= _F32_MAX,
+                          f"a number from 1 to float32's max ({_F32_MAX:.6g})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -321,18 +321,17 @@ def test_clear_error(call, exc, match, ckpt_dir):
 # before any benchmark runs.
 
 CLI_CASES = {
-    "--seed -3": (["--seed", "-3"], names("--seed", "-3"), needs("newcomer")),
+    "--seed -3": (["--seed", "-3"], names("--seed", "-3")),
     "--seed abc": (["--seed", "abc"], names("--seed", "abc")),
     "--seed 1.5": (["--seed", "1.5"], names("--seed", "1.5")),
     "--json into a missing directory": (
         ["--json", "/missing/dir/x.jsonl"],
-        names("--json", "/missing/dir"), needs("newcomer")),
+        names("--json", "/missing/dir")),
     "--plot into a missing directory": (
         ["--plot", "/missing/dir/x.png"],
-        names("--plot", "/missing/dir"), needs("newcomer")),
+        names("--plot", "/missing/dir")),
     "--init-scale 1e39 (inf in float32)": (
-        ["--init-scale", "1e39"], names("--init-scale", "1e39"),
-        needs("newcomer")),
+        ["--init-scale", "1e39"], names("--init-scale", "1e39")),
     "--init-scale nan": (["--init-scale", "nan"],
                          names("--init-scale", "nan")),
     "--init-scale 0": (["--init-scale", "0"], names("--init-scale", "got 0")),
