@@ -18,8 +18,8 @@ primitive from `AutocastRules`:
   these, so they cannot overflow float16.
 * keep-half list (`add`): when an input is a half value that autocast made
   (traced as float32, e.g. a matmul's result), float32 inputs are cast to the
-  compute dtype, saturating at its largest finite value (a `-1e9` or
-  `finfo(float32).min` mask stays finite), and the op runs in half. A bias or
+  compute dtype, finite values saturating at its largest finite value (a
+  `-1e9` or `finfo(float32).min` mask stays finite), and the op runs in half. A bias or
   a residual added to a half matmul's result therefore stays half, like the
   bias of torch's half `addmm`, and so do the activations between layers.
   Otherwise the op promotes.
@@ -46,6 +46,9 @@ Known limitations:
   * `fn` is retraced on every call: wrap the autocast function in `jax.jit`.
   * custom_jvp/custom_vjp functions with integer inputs or outputs, and
     primitives on no list, run in their traced dtypes.
+  * As under `jax.grad(jax.jit(fn))`, a custom_vjp whose fwd or bwd closes
+    over a value derived from the arguments of `fn` cannot be differentiated:
+    pass such values to it as arguments, or use `jax.closure_convert`.
 
 Example:
   >>> import jax, jax.numpy as jnp, jmp_amp
@@ -321,32 +324,32 @@ def _cast(x, dtype):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _saturating_cast(x, dtype):
-  """`x` cast to `dtype`, with values beyond its range at its finite extremes.
+def _saturate(x, dtype):
+  """`x` with finite values beyond the range of `dtype` at its extremes.
 
-  NaN stays NaN. The derivative is the plain cast's, so nothing is saved for
-  the backward pass.
+  Infinities and NaN stay as they are, so casting the result to `dtype`
+  overflows nothing that was finite. The derivative is one (nothing is saved
+  for the backward pass).
   """
   big = np.asarray(jnp.finfo(dtype).max, _dtype(x))
-  return lax.convert_element_type(lax.clamp(-big, x, big), dtype)
+  return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
 
 
-@_saturating_cast.defjvp
-def _saturating_cast_jvp(dtype, primals, tangents):
+@_saturate.defjvp
+def _saturate_jvp(dtype, primals, tangents):
   (x,), (t,) = primals, tangents
-  return _saturating_cast(x, dtype), lax.convert_element_type(t, dtype)
+  return _saturate(x, dtype), t
 
 
 def _narrow(x, dtype: np.dtype, shape: tuple[int, ...]):
   """Casts a floating `x` to `dtype`, saturating where that narrows it.
 
-  A narrowed `x` is first broadcast to `shape` (that of the op's result), so
-  that the backward pass sums its cotangent (a bias gradient) in float32.
+  A narrowed `x` is broadcast to `shape` (that of the op's result) before the
+  cast, so that the backward pass sums its cotangent (a bias gradient) in
+  float32.
   """
   if _is_float(_dtype(x)) and _dtype(x).itemsize > dtype.itemsize:
-    if np.shape(x) != shape:
-      x = jnp.broadcast_to(x, shape)
-    return _saturating_cast(x, dtype)
+    x = jnp.broadcast_to(_saturate(x, dtype), shape)
   return _cast(x, dtype)
 
 
