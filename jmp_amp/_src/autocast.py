@@ -18,11 +18,14 @@ primitive from `AutocastRules`:
   these, so they cannot overflow float16.
 * keep-half list (`add`): when an input is a half value that autocast made
   (traced as float32, e.g. a matmul's result), float32 inputs are cast to the
-  compute dtype, finite values saturating at its largest finite value (a
-  `-1e9` or `finfo(float32).min` mask stays finite), and the op runs in half. A bias or
-  a residual added to a half matmul's result therefore stays half, like the
+  compute dtype and the op runs in half; otherwise it promotes. A bias or a
+  residual added to a half matmul's result therefore stays half, like the
   bias of torch's half `addmm`, and so do the activations between layers.
-  Otherwise the op promotes.
+  The cast saturates finite values at the half range (a `-1e9` or
+  `finfo(float32).min` mask stays finite; inf and NaN stay as they are) and
+  comes after broadcasting, so a bias gradient is summed in float32.
+  Subtractions promote: softmax's `x - max(x)` and a norm's `x - mean(x)`
+  stay float32.
 * promote list (elementwise arithmetic, comparisons, data movement): floating
   inputs are cast to the widest floating dtype among them and the op runs in
   that dtype. Scalar literals and weakly typed inputs (Python scalars such as
@@ -73,7 +76,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
 from jax import lax
+from jax.lax import linalg as lax_linalg
 import jax.extend.core as jex_core
+from jax.extend.core import primitives as jex_primitives
 import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
@@ -165,12 +170,8 @@ _FIELDS = ("half", "float32", "keep_half", "promote")
 @functools.cache
 def _public_primitive_names() -> frozenset:
   """Names of the primitives jax exports publicly; built on first need."""
-  # Imported here: only validating a user's name needs them, and `import
-  # jmp_amp` stays cheap.
-  import jax.extend.core.primitives as primitives  # pylint: disable=g-import-not-at-top
-  import jax.lax.linalg  # pylint: disable=g-import-not-at-top
   names = set(_OWN_NAMES)
-  for module in (primitives, jax.lax, jax.lax.linalg):
+  for module in (jex_primitives, lax, lax_linalg):
     names.update(value.name for value in vars(module).values()
                  if isinstance(value, jex_core.Primitive))
   return frozenset(names)
