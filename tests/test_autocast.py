@@ -88,8 +88,10 @@ def mlp():
 def test_forward_dtypes(mlp):
   jaxpr = jax.make_jaxpr(jmp_amp.autocast(mlp_loss, MIXED_BF16))(*mlp)
   assert_amp_jaxpr(jaxpr)
-  # The float32 bias promotes `x @ w1 + b1` (and so tanh) to float32.
-  assert dtypes_of(jaxpr, "tanh") == [[F32]]
+  # The float32 bias added to the half matmul stays half (torch's addmm), so
+  # tanh runs in half.
+  assert dtypes_of(jaxpr, "add")[0] == [BF16, BF16]
+  assert dtypes_of(jaxpr, "tanh") == [[BF16]]
   assert jaxpr.out_avals[0].dtype == F32
   # Parameters enter as float32: the casts happen inside.
   assert all(a.dtype == F32 for a in jaxpr.in_avals)
@@ -166,11 +168,13 @@ def test_layer_norm_statistics_in_float32():
 def test_promote_uses_widest_and_ignores_scalars():
   def f(x, w, b):
     h = x @ w          # half
-    return h * 2.0, h + b, h * h   # scalar: half; f32 bias: f32; half * half
+    # scalar: half; half * half; f32 subtracted: f32; f32 + f32: f32.
+    return h * 2.0, h * h, h - b, x + b
 
   x, w, b = jnp.ones((2, 3)), jnp.ones((3, 3)), jnp.ones(3)
   jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, "p=f32,c=bf16,o=bf16"))(x, w, b)
   assert dtypes_of(jaxpr, "mul") == [[BF16, BF16], [BF16, BF16]]
+  assert dtypes_of(jaxpr, "sub") == [[F32, F32]]
   assert dtypes_of(jaxpr, "add") == [[F32, F32]]
 
 
@@ -232,7 +236,7 @@ def test_checkpoint_is_kept():
 def test_scan_carry_dtype_is_consistent():
   def rnn(h0, xs, w):
     def step(h, x):
-      h = jnp.tanh(h @ w + x)   # half matmul, float32 x: widest is float32
+      h = jnp.tanh(h @ w + x)   # half matmul plus float32 x: half (addmm)
       return h, jnp.exp(h)
     return lax.scan(step, h0, xs)
 
@@ -319,6 +323,145 @@ def test_custom_vjp_rule_is_kept_and_autocast():
   assert_amp_jaxpr(jaxpr, fragile=())
 
 
+# ---- custom_vjp / custom_jvp functions that close over arrays (issue 12). --
+
+_D = 8
+# Closed over by the custom functions below: a constant, not an argument.
+_R = jax.random.normal(jax.random.key(7), (_D, _D)) / _D ** 0.5
+
+
+@jax.custom_vjp
+def _mix(h):
+  return h @ _R
+
+
+# The straight-through rule of the issue: half the incoming cotangent.
+_mix.defvjp(lambda h: (h @ _R, h), lambda h, g: (0.5 * g.astype(h.dtype),))
+
+
+@jax.custom_vjp
+def _half_grad_mix(h):
+  return h @ _R
+
+
+# Half the true gradient, so the rule's use is visible analytically.
+_half_grad_mix.defvjp(lambda h: (h @ _R, None),
+                      lambda _, g: (0.5 * (g @ _R.T),))
+
+
+@jax.custom_jvp
+def _half_tangent_mix(h):
+  return h @ _R
+
+
+_half_tangent_mix.defjvp(
+    lambda p, t: (_half_tangent_mix(p[0]), 0.5 * (t[0] @ _R)))
+
+
+@jax.custom_vjp
+def _outer(h):
+  """A custom_vjp whose fwd and bwd call the custom_vjp `_mix`."""
+  return jnp.sin(_mix(h))
+
+
+def _outer_fwd(h):
+  return jnp.sin(_mix(h)), (h,)
+
+
+def _outer_bwd(res, g):
+  (h,) = res
+  y, pullback = jax.vjp(_mix, h)
+  return pullback(g * jnp.cos(y))
+
+
+_outer.defvjp(_outer_fwd, _outer_bwd)
+
+_CUSTOM_LAYERS = {
+    "vjp": lambda w, h: jnp.tanh(_mix(h @ w)),
+    "vjp_half_grad": lambda w, h: jnp.tanh(_half_grad_mix(h @ w)),
+    "jvp_half_tangent": lambda w, h: jnp.tanh(_half_tangent_mix(h @ w)),
+    "nested_vjp": lambda w, h: _outer(h @ w),
+    # A custom_jvp (relu) and a custom_vjp inside a custom_jvp rule's function.
+    "vjp_in_jvp": lambda w, h: jax.nn.relu(_mix(h @ w)) + jax.nn.softplus(h),
+}
+
+
+def _wrap(kind, layer):
+  """A loss over two layers, the layer under jit, remat or scan."""
+  if kind == "scan":
+    def loss(ws, x):
+      h, _ = lax.scan(lambda h, w: (layer(w, h), None), x, ws)
+      return jnp.sum(h ** 2)
+    return loss
+  layer = {"plain": layer, "jit": jax.jit(layer),
+           "remat": jax.checkpoint(layer)}[kind]
+  return lambda ws, x: jnp.sum(layer(ws[1], layer(ws[0], x)) ** 2)
+
+
+def _custom_args():
+  ws = jax.random.normal(jax.random.key(1), (2, _D, _D)) / _D ** 0.5
+  x = jax.random.normal(jax.random.key(2), (4, _D))
+  return ws, x
+
+
+def test_custom_vjp_closing_over_array_grad_issue_example():
+  ws, x = _custom_args()
+  loss = lambda w, x: jnp.sum(_mix(x @ w))
+  # The rule passes 0.5 * g straight through: d loss / d w = x^T @ 0.5.
+  expected = 0.5 * x.T @ jnp.ones((4, _D))
+  grads = _fast_jit(lambda *a: [jax.grad(f)(*a) for f in (
+      loss, *(jmp_amp.autocast(loss, dtype) for dtype in HALF))])(ws[0], x)
+  chex.assert_trees_all_close(grads[0], expected, rtol=1e-5)
+  for grad in grads[1:]:
+    assert grad.dtype == F32
+    chex.assert_trees_all_close(grad, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["plain", "jit", "remat", "scan"])
+@pytest.mark.parametrize("name", sorted(_CUSTOM_LAYERS))
+def test_custom_rules_closing_over_arrays(kind, name):
+  loss = _wrap(kind, _CUSTOM_LAYERS[name])
+  ws, x = _custom_args()
+  amps = [jmp_amp.autocast(loss, dtype) for dtype in HALF]
+  for amp, dtype in zip(amps, HALF):
+    jaxpr = jax.make_jaxpr(jax.grad(amp))(ws, x)
+    assert_amp_jaxpr(jaxpr, half=dtype, fragile=("reduce_sum",))
+  (loss32, grads32), *results = _fast_jit(lambda *a: [
+      jax.value_and_grad(f)(*a) for f in (loss, *amps)])(ws, x)
+  # float16 has 3 more mantissa bits than bfloat16.
+  for (value, grads), tol in zip(results, (4e-2, 8e-3)):
+    assert grads.dtype == F32
+    chex.assert_trees_all_close(value, loss32, rtol=tol)
+    _assert_rel_close(grads, grads32, 2 * tol)
+
+
+@pytest.mark.parametrize("name", ["vjp_half_grad", "jvp_half_tangent"])
+def test_custom_rule_closing_over_array_is_the_one_used(name):
+  # With one layer, the rule's factor 0.5 halves the whole gradient.
+  ws, x = _custom_args()
+  layer = _CUSTOM_LAYERS[name]
+  true_layer = lambda w, h: jnp.tanh(h @ w @ _R)
+  loss = lambda w, x: jnp.sum(layer(w, x) ** 2)
+  true_loss = lambda w, x: jnp.sum(true_layer(w, x) ** 2)
+  amps = [jmp_amp.autocast(f, dtype) for f in (loss, jax.checkpoint(loss))
+          for dtype in HALF]
+  true_grad, *grads = _fast_jit(lambda *a: [
+      jax.grad(f)(*a) for f in (true_loss, *amps)])(ws[0], x)
+  for grad in grads:
+    _assert_rel_close(grad, 0.5 * true_grad, 4e-2)
+
+
+def test_custom_jvp_closing_over_array_forward_mode():
+  ws, x = _custom_args()
+  loss = lambda w, x: jnp.sum(_half_tangent_mix(x @ w))
+  tangent = jnp.ones_like(ws[0])
+  amp = jmp_amp.autocast(loss, jnp.bfloat16)
+  expected, got = _fast_jit(lambda w: [
+      jax.jvp(lambda w: f(w, x), (w,), (tangent,))[1] for f in (loss, amp)])(
+          ws[0])
+  chex.assert_trees_all_close(got, expected, rtol=3e-2)
+
+
 # ---- Composition, idempotence, identity. ----------------------------------
 
 
@@ -361,11 +504,12 @@ def test_default_rules():
   for name in ("exp", "log", "reduce_sum", "reduce_max", "rsqrt", "cumsum",
                "erf_inv", "pow", "integer_pow"):
     assert rules.rule_for(name) == "float32", name
-  for name in ("add", "mul", "div", "tanh", "logistic", "sqrt", "reshape"):
+  for name in ("sub", "mul", "div", "tanh", "logistic", "sqrt", "reshape"):
     assert rules.rule_for(name) == "promote", name
+  assert rules.keep_half == {"add"}
   assert rules.rule_for(lax.exp_p) == "float32"
-  assert not (rules.half & rules.float32 or rules.half & rules.promote
-              or rules.float32 & rules.promote)
+  lists = (rules.half, rules.float32, rules.keep_half, rules.promote)
+  assert sum(map(len, lists)) == len(frozenset().union(*lists))
 
 
 def test_editing_rules_changes_behaviour():
@@ -537,8 +681,9 @@ def test_resnet_train_step_with_batch_norm():
   grad = lambda f: jax.value_and_grad(f, has_aux=True)
   jaxpr = jax.make_jaxpr(grad(amp_loss))(params, stats, images, labels)
   assert_amp_jaxpr(jaxpr, half=F16, fragile=FRAGILE_MODEL)
-  # stem + 2 block convs, forward and two gradients each.
-  assert len(dtypes_of(jaxpr, "conv_general_dilated")) >= 3 * 3
+  # stem + 2 block convs, forward and two gradients each, less the gradient
+  # for the images.
+  assert len(dtypes_of(jaxpr, "conv_general_dilated")) >= 3 * 3 - 1
 
   run_all = _fast_jit(lambda *a: [grad(f)(*a) for f in (
       amp_loss, loss_fn, make_loss(graphdef16))])
@@ -580,3 +725,95 @@ def test_mlp_nnx_and_linen():
   _assert_rel_close(grads, grads32, 3e-2)
   assert out.dtype == BF16
   chex.assert_trees_all_close(out.astype(F32), out32, rtol=5e-2, atol=5e-2)
+
+
+def _raw_out_dtypes(jaxpr):
+  """Output dtypes before autocast's final cast to the policy's output dtype."""
+  producers = {v: e for e in jaxpr.jaxpr.eqns for v in e.outvars}
+  dts = []
+  for v in jaxpr.jaxpr.outvars:
+    eqn = producers.get(v)
+    if eqn is not None and eqn.primitive.name == "convert_element_type":
+      v = eqn.invars[0]
+    dts.append(np.dtype(v.aval.dtype))
+  return dts
+
+
+def test_gpt_activations_between_layers_stay_half():
+  # Biases and residuals added to half matmuls stay half (torch's addmm), so
+  # what flows from block to block is half; norms, softmax and loss are not.
+  from flax import nnx
+  models = _models()
+  model = _build(lambda: models.GPT(vocab_size=32, d_model=16, num_heads=2,
+                                    num_layers=2, max_len=8, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model)
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
+
+  def forward(params, tokens):
+    m = nnx.merge(graphdef, params)
+    x = m.embed(tokens) + m.pos_embed(jnp.arange(tokens.shape[1]))
+    between = []
+    for block in m.blocks:
+      x = block(x)
+      between.append(x)
+    normed = m.ln_f(x)
+    logits = m.embed.attend(normed)
+    return between, normed, logits, models.lm_loss(logits, tokens)
+
+  for half in HALF:
+    amp = jmp_amp.autocast(forward, jmp_amp.Policy(F32, half, F32))
+    jaxpr = jax.make_jaxpr(amp)(params, tokens)
+    assert _raw_out_dtypes(jaxpr) == [half, half, F32, half, F32]
+    # Norm statistics, softmax and loss in float32; every matmul in half.
+    assert_amp_jaxpr(jaxpr, half=half, fragile=FRAGILE_MODEL)
+    assert dtypes_of(jaxpr, "rsqrt") and dtypes_of(jaxpr, "exp")
+    # Backward: half GEMMs, float32 reductions (bias gradients included).
+    grad_fn = jax.grad(lambda p, t: amp(p, t)[-1])
+    assert_amp_jaxpr(jax.make_jaxpr(grad_fn)(params, tokens), half=half,
+                     fragile=FRAGILE_MODEL)
+
+  loss_fn = lambda p, t: forward(p, t)[-1]
+  (loss, grads), (loss32, grads32) = _fast_jit(lambda *a: (
+      jax.value_and_grad(lambda *b: amp(*b)[-1])(*a),
+      jax.value_and_grad(loss_fn)(*a)))(params, tokens)
+  chex.assert_trees_all_close(loss, loss32, rtol=1e-2)
+  _assert_rel_close(grads, grads32, 1e-2)  # float16 (the last `half`)
+
+
+@pytest.mark.parametrize("mask_value", [-1e9, float(np.finfo(np.float32).min),
+                                        -np.inf])
+def test_keep_half_add_saturates(mask_value):
+  # A float32 mask added to half attention scores is cast saturating: a fully
+  # masked row gives float32's uniform softmax (NaN for a -inf mask, as in
+  # float32), not the NaN of a finite mask overflowing to -inf.
+  def attend(q, k, mask):
+    return jax.nn.softmax(q @ k.T + mask, axis=-1)
+
+  q, k = jnp.ones((3, 4)), jnp.ones((5, 4))
+  mask = jnp.zeros((3, 5)).at[0].set(mask_value).at[1, 2:].set(mask_value)
+  amp = jmp_amp.autocast(attend, "p=f32,c=f16,o=f32")
+  jaxpr = jax.make_jaxpr(amp)(q, k, mask)
+  assert dtypes_of(jaxpr, "add") == [[F16, F16]]
+  expected = attend(q, k, mask)
+  assert np.isnan(expected[0]).all() == (mask_value == -np.inf)
+  chex.assert_trees_all_close(amp(q, k, mask), expected, atol=1e-3)
+  # NaN is not hidden by the saturation.
+  assert np.isnan(amp(q, k, mask.at[2, 0].set(np.nan))[2]).all()
+
+
+def test_keep_half_rule_is_editable(mlp):
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(mlp_loss, MIXED_BF16))(*mlp)
+  assert [d[0] for d in dtypes_of(jaxpr, "add")][:2] == [BF16, BF16]
+  rules = jmp_amp.DEFAULT_AUTOCAST_RULES.with_promote("add")
+  assert rules.rule_for("add") == "promote" and not rules.keep_half
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(mlp_loss, MIXED_BF16, rules=rules))(
+      *mlp)
+  # Promoted, the float32 bias makes the sum and tanh float32 (the old rule).
+  assert [d[0] for d in dtypes_of(jaxpr, "add")][:2] == [F32, F32]
+  assert dtypes_of(jaxpr, "tanh") == [[F32]]
+  # keep_half on mul: a float32 scale keeps a half matmul result half.
+  f = lambda x, w, s: (x @ w) * s
+  x, w, s = jnp.ones((2, 3)), jnp.ones((3, 3)), jnp.ones(3)
+  rules = jmp_amp.DEFAULT_AUTOCAST_RULES.with_keep_half("mul")
+  jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, MIXED_BF16, rules=rules))(x, w, s)
+  assert dtypes_of(jaxpr, "mul") == [[BF16, BF16]]

@@ -2,20 +2,30 @@
 
 `autocast(fn, policy)` traces `fn` to a jaxpr and evaluates that jaxpr again,
 equation by equation, under the current JAX trace (so the result composes with
-`jit`, `grad`, `vmap` and `checkpoint`), choosing the dtype of each primitive
-from `AutocastRules`:
+`jit`, `grad`, `jvp`, `vmap` and `checkpoint`), choosing the dtype of each
+primitive from `AutocastRules`:
 
 * half list (`dot_general`, `conv_general_dilated`): floating inputs are cast
-  to the policy's compute dtype. Matmuls and convolutions go through
-  `jmp_amp.dot_general` / `jmp_amp.conv_general_dilated`, which accumulate in
-  float32 and keep the backward dots in half precision; the float32 result is
-  then cast to the compute dtype, as torch's autocast returns half matmuls.
-  A matmul whose operands were already half when traced runs as written
-  (keeping its preferred_element_type): that makes autocast idempotent.
+  to the policy's compute dtype and the result is that dtype, as torch's
+  autocast returns half matmuls. Half GEMMs accumulate in float32 (cuBLAS,
+  cuDNN, TPU and XLA:CPU all do), and as the result is half, the cotangents
+  of the backward pass are half too: the backward GEMMs stay in half. A matmul
+  whose operands were already half when traced runs as written (keeping its
+  preferred_element_type): that makes autocast idempotent.
 * float32 list (exp, log, reductions, cumulative sums, rsqrt, pow, erf, ...):
   floating inputs are cast to float32 and the op runs and returns float32.
-  Softmax, log-softmax, logsumexp and layer norms decompose into these, so
-  they cannot overflow float16.
+  Softmax, log-softmax, logsumexp, norm statistics and losses decompose into
+  these, so they cannot overflow float16.
+* keep-half list (`add`): when an input is a half value that autocast made
+  (traced as float32, e.g. a matmul's result), float32 inputs are cast to the
+  compute dtype and the op runs in half; otherwise it promotes. A bias or a
+  residual added to a half matmul's result therefore stays half, like the
+  bias of torch's half `addmm`, and so do the activations between layers.
+  The cast saturates finite values at the half range (a `-1e9` or
+  `finfo(float32).min` mask stays finite; inf and NaN stay as they are) and
+  comes after broadcasting, so a bias gradient is summed in float32.
+  Subtractions promote: softmax's `x - max(x)` and a norm's `x - mean(x)`
+  stay float32.
 * promote list (elementwise arithmetic, comparisons, data movement): floating
   inputs are cast to the widest floating dtype among them and the op runs in
   that dtype. Scalar literals and weakly typed inputs (Python scalars such as
@@ -32,45 +42,48 @@ float32 ops (torch's `pow`); `sqrt`, `div`, `tanh` and `logistic` promote
 (harmless: same result). float64 values are never narrowed.
 
 Known limitations:
-  * Matmul outputs are half, but adding a float32 bias parameter promotes the
-    sum to float32 (torch fuses the bias into a half `addmm`). Likewise array
-    constants built in `fn` (`jnp.full`, broadcast scalars) are float32
-    values; only scalar literals and weakly typed values do not widen.
-  * Forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) does not go through the
-    half matmuls, which are custom-VJP functions; reverse mode does.
+  * Array constants built in `fn` (`jnp.full`, `jnp.finfo(x.dtype).min`
+    broadcast) are float32 values; only scalar literals and weakly typed
+    values do not widen a half operand of a promote op.
   * `jit` boundaries inside `fn` are inlined; the whole result can be jitted.
   * `fn` is retraced on every call: wrap the autocast function in `jax.jit`.
   * custom_jvp/custom_vjp functions with integer inputs or outputs, and
     primitives on no list, run in their traced dtypes.
+  * As under `jax.grad(jax.jit(fn))`, a custom_vjp whose fwd or bwd closes
+    over a value derived from the arguments of `fn` cannot be differentiated:
+    pass such values to it as arguments, or use `jax.closure_convert`.
 
 Example:
+  >>> import jax, jax.numpy as jnp, jmp_amp
   >>> def loss_fn(params, x):
-  ...   logits = x @ params["w"]
+  ...   logits = x @ params["w"] + params["b"]
   ...   return -jax.nn.log_softmax(logits).mean()
-  >>> amp_loss = autocast(loss_fn, "p=f32,c=bf16,o=f32")
+  >>> params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+  >>> x = jnp.ones((2, 4))
+  >>> amp_loss = jmp_amp.autocast(loss_fn, "p=f32,c=bf16,o=f32")
   >>> grads = jax.jit(jax.grad(amp_loss))(params, x)  # bf16 dots, f32 grads
+  >>> grads["w"].dtype, amp_loss(params, x).dtype
+  (dtype('float32'), dtype('float32'))
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
-import sys
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
 from jax import lax
+from jax.lax import linalg as lax_linalg
 import jax.extend.core as jex_core
+from jax.extend.core import primitives as jex_primitives
+import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
 
-from jax._src import core as jax_core
-from jax._src import source_info_util
-from jax._src.lax import lax as lax_internal
-
 from jmp_amp._src import dtypes
-from jmp_amp._src import ops
 from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
 
@@ -103,9 +116,12 @@ _DEFAULT_FLOAT32 = (
     "tridiagonal_solve", "geqrf", "geqp3", "ormqr", "fft",
 )
 
+# A bias or residual added to a half matmul's result stays half.
+_DEFAULT_KEEP_HALF = ("add",)
+
 _DEFAULT_PROMOTE = (
     # Elementwise arithmetic.
-    "add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign",
+    "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign",
     "floor", "ceil", "round", "nextafter", "max", "min", "sqrt", "cbrt",
     "tanh", "logistic", "sin", "cos", "atan", "atan2", "asinh", "acosh",
     "atanh", "is_finite", "clamp", "select_n", "complex", "stop_gradient",
@@ -144,42 +160,29 @@ _AS_TRACED_ONLY = frozenset({
     "ffi_call", "custom_lin", "custom_transpose_call",
 })
 _NOT_LISTABLE = _STRUCTURAL | _PASSTHROUGH | _AS_TRACED_ONLY
-
-_known_names_cache: dict[int, frozenset] = {}
-
-
-def _known_primitive_names() -> frozenset:
-  """Names of the `Primitive` objects defined by the imported jax modules."""
-  # Rescanning only when modules were imported since keeps this cheap and
-  # picks up primitives of lazily imported modules (Pallas, linalg, ...).
-  key = len(sys.modules)
-  if key not in _known_names_cache:
-    names = set()
-    for modname, mod in list(sys.modules.items()):
-      if mod is None or not modname.startswith(("jax.", "jaxlib.", "jax_")):
-        continue
-      for value in list(getattr(mod, "__dict__", {}).values()):
-        if isinstance(value, jex_core.Primitive):
-          names.add(value.name)
-    _known_names_cache.clear()
-    _known_names_cache[key] = frozenset(names)
-  return _known_names_cache[key]
+# Names this module lists itself. Some exist only in some jax versions; a
+# rule for a primitive that never occurs is harmless.
+_OWN_NAMES = frozenset(_DEFAULT_HALF + _DEFAULT_FLOAT32 + _DEFAULT_KEEP_HALF
+                       + _DEFAULT_PROMOTE)
+_FIELDS = ("half", "float32", "keep_half", "promote")
 
 
-def _primitive_name(prim: PrimitiveLike, *, known: Optional[frozenset]) -> str:
+@functools.cache
+def _public_primitive_names() -> frozenset:
+  """Names of the primitives jax exports publicly; built on first need."""
+  names = set(_OWN_NAMES)
+  for module in (jex_primitives, lax, lax_linalg):
+    names.update(value.name for value in vars(module).values()
+                 if isinstance(value, jex_core.Primitive))
+  return frozenset(names)
+
+
+def _primitive_name(prim: PrimitiveLike) -> str:
   """Validates and returns the name of a primitive given by name or object."""
   if isinstance(prim, jex_core.Primitive):
     name = prim.name  # Any Primitive object is accepted, JAX's or a user's.
   elif isinstance(prim, str):
     name = prim
-    if known is not None and name not in known:
-      close = difflib.get_close_matches(name, sorted(known), n=3)
-      hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-      raise ValueError(
-          f"Unknown primitive name {name!r}.{hint} Names are JAX primitive "
-          "names as printed in jaxprs (e.g. 'exp', 'dot_general', "
-          "'reduce_sum'); pass the Primitive object itself for primitives "
-          "defined outside jax.")
   else:
     raise TypeError("primitives must be given as names (str) or "
                     f"jax.extend.core.Primitive objects, got {prim!r}")
@@ -190,42 +193,63 @@ def _primitive_name(prim: PrimitiveLike, *, known: Optional[frozenset]) -> str:
            "has dtype-specific parameters and always runs as traced")
     raise ValueError(f"Primitive {name!r} cannot be put on an autocast list: "
                      f"it {why}.")
+  if isinstance(prim, str) and name not in _OWN_NAMES:
+    known = _public_primitive_names()
+    if name not in known:
+      close = difflib.get_close_matches(name, sorted(known), n=3)
+      hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+      raise ValueError(
+          f"Unknown primitive name {name!r}.{hint} Names are JAX primitive "
+          "names as printed in jaxprs (e.g. 'exp', 'dot_general', "
+          "'reduce_sum'); pass the Primitive object itself for primitives "
+          "jax does not export (Pallas, your own).")
   return name
 
 
 @dataclasses.dataclass(frozen=True)
 class AutocastRules:
-  """Which primitives `autocast` runs in half, in float32 or promoted.
+  """Which primitives `autocast` runs in half, in float32, or promoted.
 
-  Three disjoint frozensets of JAX primitive names (as printed in jaxprs).
+  Four disjoint frozensets of JAX primitive names (as printed in jaxprs).
   Primitives on no list run as traced. Rules are immutable and hashable; the
   `with_*` methods return edited copies.
 
   Example:
-    >>> rules = DEFAULT_AUTOCAST_RULES.with_float32("tanh").with_half("exp")
+    >>> import jax, jax.numpy as jnp, jmp_amp
+    >>> rules = jmp_amp.DEFAULT_AUTOCAST_RULES
+    >>> rules.rule_for("dot_general"), rules.rule_for("add")
+    ('half', 'keep_half')
+    >>> rules = rules.with_float32("tanh").with_half(jax.lax.exp_p)
     >>> rules.rule_for("tanh"), rules.rule_for("exp")
     ('float32', 'half')
-    >>> f = autocast(fn, "mixed_float16", rules=rules)
+    >>> f = jmp_amp.autocast(lambda x: jnp.tanh(jnp.exp(x)), jnp.float16,
+    ...                      rules=rules)
+    >>> f(jnp.ones(2)).dtype  # exp in float16, tanh in float32
+    dtype('float32')
 
   Attributes:
-    half: run on inputs cast to the compute dtype (matmuls accumulate in
-      float32 and return the compute dtype).
+    half: run on inputs cast to the compute dtype; return the compute dtype
+      (half GEMMs accumulate in float32).
     float32: run on inputs cast to float32; return float32.
+    keep_half: run in the compute dtype when an input is a half value
+      autocast made (traced as float32), with float32 inputs cast to it
+      saturating at its largest finite value; promote otherwise. Default:
+      `add`, so biases and residuals added to half matmuls stay half.
     promote: run on inputs cast to the widest floating dtype among them.
   """
 
   half: frozenset = frozenset()
   float32: frozenset = frozenset()
   promote: frozenset = frozenset()
+  keep_half: frozenset = frozenset()
 
   def __post_init__(self):
-    known = _known_primitive_names()
     seen: dict[str, str] = {}
-    for field in ("half", "float32", "promote"):
+    for field in _FIELDS:
       value = getattr(self, field)
       if isinstance(value, (str, jex_core.Primitive)):
         value = (value,)  # A lone name would otherwise iterate as letters.
-      names = frozenset(_primitive_name(p, known=known) for p in value)
+      names = frozenset(_primitive_name(p) for p in value)
       for name in names:
         if name in seen:
           raise ValueError(f"Primitive {name!r} is on both the {seen[name]!r} "
@@ -234,17 +258,16 @@ class AutocastRules:
       object.__setattr__(self, field, names)
 
   def rule_for(self, prim: PrimitiveLike) -> Optional[str]:
-    """'half', 'float32', 'promote', or None (runs as traced)."""
+    """'half', 'float32', 'keep_half', 'promote', or None (runs as traced)."""
     name = prim.name if isinstance(prim, jex_core.Primitive) else prim
-    for field in ("half", "float32", "promote"):
+    for field in _FIELDS:
       if name in getattr(self, field):
         return field
     return None
 
   def _move(self, field: Optional[str], prims: Sequence[PrimitiveLike]):
-    known = _known_primitive_names()
-    names = frozenset(_primitive_name(p, known=known) for p in prims)
-    lists = {f: getattr(self, f) - names for f in ("half", "float32", "promote")}
+    names = frozenset(_primitive_name(p) for p in prims)
+    lists = {f: getattr(self, f) - names for f in _FIELDS}
     if field is not None:
       lists[field] = lists[field] | names
     return AutocastRules(**lists)
@@ -257,6 +280,10 @@ class AutocastRules:
     """Returns rules with `prims` moved to the float32 list."""
     return self._move("float32", prims)
 
+  def with_keep_half(self, *prims: PrimitiveLike) -> AutocastRules:
+    """Returns rules with `prims` moved to the keep-half list."""
+    return self._move("keep_half", prims)
+
   def with_promote(self, *prims: PrimitiveLike) -> AutocastRules:
     """Returns rules with `prims` moved to the promote list."""
     return self._move("promote", prims)
@@ -266,15 +293,10 @@ class AutocastRules:
     return self._move(None, prims)
 
 
-def _default_rules() -> AutocastRules:
-  # Some names (e.g. "geqp3", "split") only exist in some jax versions.
-  known = _known_primitive_names()
-  pick = lambda names: frozenset(n for n in names if n in known)
-  return AutocastRules(half=pick(_DEFAULT_HALF), float32=pick(_DEFAULT_FLOAT32),
-                       promote=pick(_DEFAULT_PROMOTE))
-
-
-DEFAULT_AUTOCAST_RULES = _default_rules()
+DEFAULT_AUTOCAST_RULES = AutocastRules(
+    half=frozenset(_DEFAULT_HALF), float32=frozenset(_DEFAULT_FLOAT32),
+    keep_half=frozenset(_DEFAULT_KEEP_HALF),
+    promote=frozenset(_DEFAULT_PROMOTE))
 
 # --------------------------------------------------------------------------
 # The interpreter.
@@ -285,9 +307,6 @@ DEFAULT_AUTOCAST_RULES = _default_rules()
 class _Context:
   compute_dtype: np.dtype
   rules: AutocastRules
-  # Inside custom JVP rules the tangent path must stay transposable, which the
-  # custom-VJP matmuls of `jmp_amp.ops` are not: use plain half dots there.
-  linear: bool = False
 
 
 def _is_float(dtype) -> bool:
@@ -305,10 +324,46 @@ def _cast(x, dtype):
   return x
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _saturate(x, dtype):
+  """`x` with finite values beyond the range of `dtype` at its extremes.
+
+  Infinities and NaN stay as they are, so casting the result to `dtype`
+  overflows nothing that was finite. The derivative is one (nothing is saved
+  for the backward pass).
+  """
+  big = np.asarray(jnp.finfo(dtype).max, _dtype(x))
+  return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
+
+
+@_saturate.defjvp
+def _saturate_jvp(dtype, primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _saturate(x, dtype), t
+
+
+def _narrow(x, dtype: np.dtype, shape: tuple[int, ...]):
+  """Casts a floating `x` to `dtype`, saturating where that narrows it.
+
+  A narrowed `x` is broadcast to `shape` (that of the op's result) before the
+  cast, so that the backward pass sums its cotangent (a bias gradient) in
+  float32.
+  """
+  if _is_float(_dtype(x)) and _dtype(x).itemsize > dtype.itemsize:
+    x = jnp.broadcast_to(_saturate(x, dtype), shape)
+  return _cast(x, dtype)
+
+
 def _is_weak(v) -> bool:
   # jnp turns the Python scalar of `x * 2.0` into a literal of x's traced
   # dtype (float32), which must not widen a half x.
   return isinstance(v, jex_core.Literal) or v.aval.weak_type
+
+
+def _made_half(ctx: _Context, x, v) -> bool:
+  """Whether `x` is a half value autocast made from a traced wider one."""
+  return (_dtype(x) == ctx.compute_dtype
+          and np.dtype(v.aval.dtype).itemsize > ctx.compute_dtype.itemsize)
 
 
 def _widest(dts: Iterable[np.dtype]) -> np.dtype:
@@ -341,11 +396,14 @@ def _eval_jaxpr(ctx: _Context, jaxpr, consts, args) -> list:
     env[var] = val
   for eqn in jaxpr.eqns:
     # Keeping each equation's source location and name stack makes the
-    # lowered HLO carry the original op names (e.g. Flax module paths).
+    # lowered HLO carry the original op names (e.g. Flax module paths); its
+    # context (compute_on, threefry mode, mesh) is the traced one.
     name_stack = (source_info_util.current_name_stack()
                   + eqn.source_info.name_stack)
+    eqn_ctx = getattr(eqn, "ctx", None)
+    manager = getattr(eqn_ctx, "manager", None) or contextlib.nullcontext()
     with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=name_stack), eqn.ctx.manager:
+                                       name_stack=name_stack), manager:
       outs = _eval_eqn(ctx, eqn, [read(v) for v in eqn.invars])
     for var, val in zip(eqn.outvars, outs):
       if not isinstance(var, jex_core.DropVar):
@@ -377,30 +435,36 @@ def _eval_eqn(ctx: _Context, eqn, invals) -> list:
   if rule is None or not floats:
     return _bind_as_traced(eqn, invals)
   widest = _widest(_dtype(x) for x, _ in floats)
-  if rule == "promote" or widest == np.float64:
+  if widest == np.float64:
     # float64 values are never narrowed (as in torch.autocast), so a half or
     # float32 op with a float64 input is promoted instead.
+    rule = "promote"
+  if rule == "keep_half":
+    if any(_made_half(ctx, x, v) for x, v in floats):
+      shape = eqn.outvars[0].aval.shape
+      invals = [x if _is_weak(v) else _narrow(x, ctx.compute_dtype, shape)
+                for x, v in zip(invals, eqn.invars)]
+      return _bind_in(eqn, invals, ctx.compute_dtype)
+    rule = "promote"
+  if rule == "promote":
     strong = [_dtype(x) for x, v in floats if not _is_weak(v)]
     target = _widest(strong) if strong else widest
   elif rule == "half":
     target = ctx.compute_dtype
   else:
     target = _F32
-  return _bind_in(ctx, eqn, invals, target)
+  return _bind_in(eqn, invals, target)
 
 
-def _bind_in(ctx: _Context, eqn, invals, target: np.dtype) -> list:
+def _bind_in(eqn, invals, target: np.dtype) -> list:
   """Runs `eqn` with its floating inputs cast to `target`."""
-  name = eqn.primitive.name
   invals = [_cast(x, target) for x in invals]
   if all(_dtype(x) == v.aval.dtype for x, v in zip(invals, eqn.invars)):
     # Already in the traced dtypes: the op as written is valid and, for a
     # matmul, a half one the user (or an inner autocast) chose, whose
     # preferred_element_type is kept. This is what makes autocast idempotent.
     return _bind(eqn, invals)
-  if name in ("dot_general", "conv_general_dilated"):
-    return [_matmul(ctx, eqn, invals, target)]
-  params = _retype_params(eqn, target)
+  params = _retype_params(eqn, invals, target)
   if params is None:
     return _bind_as_traced(eqn, invals)
   return _bind(eqn, invals, params)
@@ -411,42 +475,27 @@ _SCATTER_COMBINERS = {"scatter-add": lax.add, "scatter-sub": lax.sub,
                       "scatter-max": lax.max}
 
 
-def _retype_params(eqn, target: np.dtype) -> Optional[dict]:
+def _retype_params(eqn, invals, target: np.dtype) -> Optional[dict]:
   """Params for running `eqn` in `target`, or None if that is impossible."""
   params = dict(eqn.params)
+  if "preferred_element_type" in params:
+    # dot_general / conv_general_dilated: a floating result is `target`; a
+    # half result still accumulates in float32 inside the GEMM.
+    preferred = params["preferred_element_type"]
+    if preferred is not None and not _is_float(preferred):
+      return params
+    if not all(_is_float(_dtype(x)) for x in invals):
+      return None
+    params["preferred_element_type"] = target
   if params.get("update_jaxpr") is not None:
     # Scatters carry a scalar combiner jaxpr typed with the operand dtype.
     combiner = _SCATTER_COMBINERS.get(eqn.primitive.name)
     if combiner is None:
       return None
-    jaxpr, consts = lax_internal._reduction_jaxpr(
-        combiner, jax_core.ShapedArray((), target))
-    params.update(update_jaxpr=jaxpr, update_consts=consts)
+    scalar = jax.ShapeDtypeStruct((), target)
+    closed = jax.make_jaxpr(combiner)(scalar, scalar)
+    params.update(update_jaxpr=closed.jaxpr, update_consts=tuple(closed.consts))
   return params
-
-
-def _matmul(ctx: _Context, eqn, invals, target: np.dtype):
-  """dot_general/conv_general_dilated in `target` (half: float32 accumulate)."""
-  name = eqn.primitive.name
-  lhs, rhs = invals
-  params = dict(eqn.params)
-  preferred = params.pop("preferred_element_type", None)
-  is_float_out = preferred is None or _is_float(preferred)
-  lax_op = getattr(lax, name)
-  if not (_is_float(_dtype(lhs)) and _is_float(_dtype(rhs)) and is_float_out):
-    return lax_op(lhs, rhs, **params, preferred_element_type=preferred)
-  if target not in _HALF_DTYPES:
-    return lax_op(lhs, rhs, **params, preferred_element_type=target)
-  if ctx.linear:
-    return lax_op(lhs, rhs, **params, preferred_element_type=target)
-  if name == "conv_general_dilated":
-    if params.pop("out_sharding", None) is not None:
-      # jmp_amp.conv_general_dilated takes no out_sharding: keep the sharding
-      # and accept a float32 backward for this (rare) case.
-      return lax_op(lhs, rhs, **eqn.params | {"preferred_element_type": _F32}
-                    ).astype(target)
-    return ops.conv_general_dilated(lhs, rhs, **params).astype(target)
-  return ops.dot_general(lhs, rhs, **params).astype(target)
 
 
 # ---- Structural handlers. -------------------------------------------------
@@ -580,74 +629,91 @@ def _named(fn, closed):
   return fn
 
 
-def _all_float(eqn) -> bool:
-  return all(_is_float(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars))
+def _split_consts(eqn, invals):
+  """(consts, args, arg vars) of a custom_jvp/vjp call.
+
+  The first `num_consts` operands are the values the function closes over.
+  They stay closed over in the rebuilt function: JAX differentiates custom
+  functions with respect to their explicit arguments only.
+  """
+  n = eqn.params.get("num_consts", 0)
+  return invals[:n], invals[n:], eqn.invars[n:]
+
+
+def _all_float(variables) -> bool:
+  return all(_is_float(v.aval.dtype) for v in variables)
 
 
 def _custom_jvp_call(ctx, eqn, invals):
   """Keeps the custom JVP rule; runs both the function and the rule autocast.
 
   The rule is traced at the original dtypes (by differentiating the original
-  call) and that jaxpr is evaluated under the rules like any other.
+  call with respect to its arguments) and that jaxpr is evaluated under the
+  rules like any other.
   """
-  if not _all_float(eqn):
+  consts, args, arg_vars = _split_consts(eqn, invals)
+  if not _all_float([*arg_vars, *eqn.outvars]):
     return _bind_as_traced(eqn, invals)  # float0 tangents: keep it simple.
   call = eqn.params["call_jaxpr"]
-  in_structs = [_aval_struct(v.aval) for v in eqn.invars]
+  const_structs = [_aval_struct(v.aval) for v in eqn.invars[:len(consts)]]
+  arg_structs = [_aval_struct(v.aval) for v in arg_vars]
   n_out = len(eqn.outvars)
 
-  def replay(*xs):
-    return _bind(eqn, xs)
+  def replay_jvp(cs, primals, tangents):
+    return jax.jvp(lambda *xs: _bind(eqn, [*cs, *xs]), primals, tangents)
 
   def primal(*xs):
-    return tuple(_eval_closed(ctx, call, xs))
+    return tuple(_eval_closed(ctx, call, [*consts, *xs]))
 
-  out_dtypes = [o.dtype for o in jax.eval_shape(primal, *map(_struct, invals))]
+  out_dtypes = [o.dtype for o in jax.eval_shape(primal, *map(_struct, args))]
   fn = jax.custom_jvp(_named(primal, call))
 
   def fn_jvp(primals, tangents):
-    jvp_jaxpr = jax.make_jaxpr(
-        lambda p, t: jax.jvp(replay, p, t))(in_structs, in_structs)
-    outs = _eval_closed(dataclasses.replace(ctx, linear=True), jvp_jaxpr,
-                        [*primals, *tangents])
+    jvp_jaxpr = jax.make_jaxpr(replay_jvp)(const_structs, arg_structs,
+                                           arg_structs)
+    outs = _eval_closed(ctx, jvp_jaxpr, [*consts, *primals, *tangents])
     return (tuple(_cast_all(outs[:n_out], out_dtypes)),
             tuple(_cast_all(outs[n_out:], out_dtypes)))
 
   fn.defjvp(fn_jvp)
-  return list(fn(*invals))
+  return list(fn(*args))
 
 
 def _custom_vjp_call(ctx, eqn, invals):
   """Keeps the custom VJP rule; runs function, fwd and bwd autocast.
 
   The original fwd and bwd are traced at the original dtypes (through
-  `jax.vjp` of the original call, whose pullback is a pytree of residuals) and
-  both jaxprs are evaluated under the rules.
+  `jax.vjp` of the original call with respect to its arguments, whose
+  pullback is a pytree of residuals) and both jaxprs are evaluated under the
+  rules. The user's bwd rule is what the pullback runs.
   """
-  if not _all_float(eqn):
+  consts, args, arg_vars = _split_consts(eqn, invals)
+  if not _all_float([*arg_vars, *eqn.outvars]):
     return _bind_as_traced(eqn, invals)
   call = eqn.params["call_jaxpr"]
-  in_structs = [_aval_struct(v.aval) for v in eqn.invars]
+  const_structs = [_aval_struct(v.aval) for v in eqn.invars[:len(consts)]]
+  arg_structs = [_aval_struct(v.aval) for v in arg_vars]
   out_structs = [_aval_struct(v.aval) for v in eqn.outvars]
-  in_dtypes = [_dtype(x) for x in invals]
+  arg_dtypes = [_dtype(x) for x in args]
 
-  def replay(*xs):
-    return _bind(eqn, xs)
+  def replay_vjp(cs, xs):
+    return jax.vjp(lambda *a: _bind(eqn, [*cs, *a]), *xs)
 
   def primal(*xs):
-    return tuple(_eval_closed(ctx, call, xs))
+    return tuple(_eval_closed(ctx, call, [*consts, *xs]))
 
-  out_dtypes = [o.dtype for o in jax.eval_shape(primal, *map(_struct, invals))]
+  out_dtypes = [o.dtype for o in jax.eval_shape(primal, *map(_struct, args))]
 
-  @functools.lru_cache(maxsize=None)
+  @functools.cache
   def traced_fwd():
-    return jax.make_jaxpr(lambda *xs: jax.vjp(replay, *xs),
-                          return_shape=True)(*in_structs)
+    return jax.make_jaxpr(replay_vjp, return_shape=True)(const_structs,
+                                                         arg_structs)
 
   def fwd(*xs):
     closed, shape = traced_fwd()
     outs, pullback = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(shape), _eval_closed(ctx, closed, xs))
+        jax.tree_util.tree_structure(shape),
+        _eval_closed(ctx, closed, [*consts, *xs]))
     return (tuple(_cast_all(outs, out_dtypes)),
             tuple(jax.tree_util.tree_leaves(pullback)))
 
@@ -661,11 +727,11 @@ def _custom_vjp_call(ctx, eqn, invals):
 
     closed = jax.make_jaxpr(traced_bwd)(res_structs, out_structs)
     in_cts = _eval_closed(ctx, closed, [*residuals, *cts])
-    return tuple(_cast_all(in_cts, in_dtypes))
+    return tuple(_cast_all(in_cts, arg_dtypes))
 
   fn = jax.custom_vjp(_named(primal, call))
   fn.defvjp(fwd, bwd)
-  return list(fn(*invals))
+  return list(fn(*args))
 
 
 _HANDLERS: dict[str, Callable[[_Context, Any, list], list]] = {
@@ -706,26 +772,35 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
 
   Each call traces `fn` on its array arguments and evaluates the jaxpr with
   matmuls/convolutions in the compute dtype (float32 accumulation, half
-  backward), numerically fragile ops (exp, log, reductions, ...) in float32
-  and other ops in the widest dtype of their inputs; see `AutocastRules`.
-  Floating outputs are cast to the policy's output dtype. Inputs are not cast
-  (float32 master weights stay float32; the casts happen inside), so the
-  policy's param dtype is not used. Non-array arguments (Python scalars,
-  strings, None) are passed to `fn` as static values.
+  backward), numerically fragile ops (exp, log, reductions, ...) in float32,
+  biases and residuals added to half results in half, and other ops in the
+  widest dtype of their inputs; see `AutocastRules`. Floating outputs are
+  cast to the policy's output dtype. Inputs are not cast (float32 master
+  weights stay float32; the casts happen inside), so the policy's param dtype
+  is not used. Non-array arguments (Python scalars, strings, None) are passed
+  to `fn` as static values.
 
   Higher-order primitives are evaluated recursively: jit and closed_call are
   inlined, checkpoint is rebuilt with `jax.checkpoint`, scan/while/cond with
   `lax.scan`/`lax.while_loop`/`lax.switch` (loop carries keep one dtype: the
   widest any iteration produces), and custom_jvp/custom_vjp functions keep
-  their custom rules, which are autocast too.
+  their custom rules, which are autocast too; the arrays they close over stay
+  closed over (not differentiated), as in JAX.
 
   With a compute dtype that is not half (e.g. "float32"), `fn` is called as
   is and only its floating outputs are cast to the output dtype.
 
   Example:
-    >>> amp_apply = autocast(apply_fn, "p=f32,c=bf16,o=f32")
-    >>> logits = jax.jit(amp_apply)(params, images)  # bf16 convs, f32 logits
-    >>> autocast(apply_fn, jnp.float16)  # same as "p=f32,c=f16,o=f32"
+    >>> import jax, jax.numpy as jnp, jmp_amp
+    >>> def apply_fn(w, images):
+    ...   y = jax.lax.conv_general_dilated(images, w, (1, 1), "SAME")
+    ...   return jax.nn.relu(y).mean(axis=(2, 3))
+    >>> w, images = jnp.ones((4, 3, 3, 3)), jnp.ones((2, 3, 8, 8))
+    >>> amp_apply = jmp_amp.autocast(apply_fn, "p=f32,c=bf16,o=f32")
+    >>> jax.jit(amp_apply)(w, images).dtype  # bf16 convs, f32 outputs
+    dtype('float32')
+    >>> jmp_amp.autocast(apply_fn, "mixed_float16")(w, images).dtype
+    dtype('float16')
 
   Args:
     fn: any function of pytrees of arrays, traceable by JAX.
@@ -751,7 +826,7 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
     rules = DEFAULT_AUTOCAST_RULES
   elif not isinstance(rules, AutocastRules):
     raise TypeError(f"rules must be an AutocastRules, got {rules!r}")
-  ctx = _Context(policy.compute_dtype, rules)
+  ctx = _Context(np.dtype(policy.compute_dtype), rules)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
