@@ -40,7 +40,7 @@ rounding, so an overflow is still detected and the step skipped, and
 non-finite amaxes never enter a history.
 
 Example:
-  >>> import models
+  >>> from jmp_amp import models
   >>> from jmp_amp.flax import fp8
   >>> model = models.MLP(16, 4, num_layers=4, width=32, rngs=nnx.Rngs(0))
   >>> model = fp8.set_fp8(model)          # or fp8.delayed_scaling(16)
@@ -136,7 +136,7 @@ def set_fp8(model: M,
   Calling it again replaces the previous FP8 set-up (with fresh histories).
 
   Example:
-    >>> import models
+    >>> from jmp_amp import models
     >>> from jmp_amp.flax import fp8
     >>> model = models.GPT(vocab_size=32, d_model=16, num_heads=2,
     ...                    num_layers=1, max_len=8, rngs=nnx.Rngs(0))
@@ -256,7 +256,7 @@ def fp8_value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False,
   gradients only. Call it inside `nnx.jit` (or a `jax.jit` over split state).
 
   Example:
-    >>> import models
+    >>> from jmp_amp import models
     >>> from jmp_amp.flax import fp8
     >>> model = fp8.set_fp8(
     ...     models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0)),
