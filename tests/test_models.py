@@ -391,6 +391,57 @@ def test_gpt_adam_reduces_lm_loss(gpt):
   assert losses[0] > 0.97 * np.log(32)
 
 
+def _optax_lm_loss(logits, tokens):
+  """The reference: optax's cross-entropy on a float32 copy of the logits."""
+  logits = jnp.asarray(logits[:, :-1], jnp.float32)
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_and_grad(loss_fn, logits, tokens):
+  return jax.value_and_grad(loss_fn)(logits, tokens)
+
+
+def _lm_logits(dtype, scale=3.0, seed=0):
+  rng = np.random.default_rng(seed)
+  logits = jnp.asarray(scale * rng.standard_normal((3, 9, 50)), dtype)
+  tokens = jnp.asarray(rng.integers(0, 50, (3, 9)), jnp.int32)
+  return logits, tokens
+
+
+def test_lm_loss_matches_optax_cross_entropy_in_float32():
+  logits, tokens = _lm_logits(jnp.float32)
+  loss, grad = _loss_and_grad(models.lm_loss, logits, tokens)
+  ref_loss, ref_grad = _loss_and_grad(_optax_lm_loss, logits, tokens)
+  assert loss.dtype == grad.dtype == jnp.float32
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  np.testing.assert_allclose(grad, ref_grad, rtol=1e-6, atol=1e-8)
+  # The last position has no target: no gradient reaches its logits.
+  assert not np.any(grad[:, -1])
+
+
+def test_lm_loss_of_bfloat16_logits_is_float32_with_a_bfloat16_gradient():
+  # Large logits (losses near 200): a bfloat16 cross-entropy rounds them to
+  # whole numbers (1e-4 relative off here); float32 is exact to 1e-6.
+  logits, tokens = _lm_logits(jnp.bfloat16, scale=100.0)
+  loss, grad = _loss_and_grad(models.lm_loss, logits, tokens)
+  ref_loss, ref_grad = _loss_and_grad(_optax_lm_loss, logits, tokens)
+  # Exact float32 reference on the same (bfloat16) inputs.
+  exact_loss, exact_grad = _loss_and_grad(
+      _optax_lm_loss, logits.astype(jnp.float32), tokens)
+  assert loss.dtype == jnp.float32 and grad.dtype == jnp.bfloat16
+  np.testing.assert_allclose(loss, exact_loss, rtol=1e-6)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  # The gradient is the float32 gradient rounded once to bfloat16: within
+  # half a bfloat16 ulp (2**-9 relative) of it, as optax's reference is.
+  np.testing.assert_allclose(grad.astype(jnp.float32), exact_grad,
+                             rtol=2.0**-8, atol=1e-12)
+  np.testing.assert_allclose(grad.astype(jnp.float32),
+                             ref_grad.astype(jnp.float32),
+                             rtol=2.0**-7, atol=1e-12)
+
+
 # --------------------------------------------------------------------------
 # Data.
 
