@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""GPT train step GPU temp memory, compiled for an H100 without a GPU.
+
+Compiles the GPT train step of benchmarks/h100_compiled.py (d 1024, 16 heads,
+4 layers, T 1024, batch 16, vocab 8192, adamw, state donated) in float32,
+under the bf16 policy (`jmp_amp.flax.mixed_rules("bfloat16")`) and under
+autocast-bf16, once with the loss as it was (float32 copy of the logits,
+`optax.softmax_cross_entropy_with_integer_labels`) and once with
+`models.lm_loss` (float32 log-sum-exp fused into the reduction, gradient
+returned in the logits' dtype), and prints GPU temp memory and its ratio to
+float32. Compiler figures (`memory_analysis()` of the optimized XLA:GPU
+program), not timings: nothing runs on a GPU.
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. /work/aot/.venv-aot/bin/python \\
+        benchmarks/gpt_memory_h100.py [--out benchmarks/results/gpt_memory_h100.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository, for jmp_amp/models
+
+from flax import nnx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from jmp_amp import gpu_bench  # noqa: E402
+import jmp_amp.flax as jflax  # noqa: E402
+from models import gpt as gpt_lib  # noqa: E402
+
+GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4,
+           max_len=1024, batch_size=16, lr=3e-4, weight_decay=0.1)
+MODES = ("float32", "bf16", "autocast-bf16")
+LABEL = "compiled for H100, no GPU: compiler figures, not timings"
+
+
+def previous_lm_loss(logits, tokens):
+  """The loss before: a float32 copy of the logits into optax's cross-entropy."""
+  logits = jnp.asarray(logits[:, :-1], jnp.float32)
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]))
+
+
+LOSSES = {"previous (optax on float32 logits)": previous_lm_loss,
+          "models.lm_loss": gpt_lib.lm_loss}
+
+
+def rows_for(loss_fn):
+  c = GPT
+  tokens = jax.ShapeDtypeStruct((c["batch_size"], c["max_len"]), jnp.int32)
+
+  def build(mode):
+    model = gpt_lib.GPT(c["vocab_size"], c["d_model"], c["num_heads"],
+                        c["num_layers"], c["max_len"], rngs=nnx.Rngs(0))
+    if mode.get("policy") == "mixed_bfloat16":
+      # The policies applied here (gpu_bench.nnx_step would do the same, but
+      # asks the policy's compute dtype, a scalar type, for `.name`).
+      jflax.set_policies(model, jflax.mixed_rules("bfloat16"))
+      mode = {**mode, "policy": None}
+    step, state = gpu_bench.nnx_step(
+        model, loss_fn, mode,
+        optax.adamw(c["lr"], weight_decay=c["weight_decay"]))
+    return step, state, (tokens, tokens)
+
+  rows = [gpu_bench.mode_report(name, build) for name in MODES]
+  gpu_bench.add_ratios(rows)
+  keep = ("mode", "status", "error", "temp_bytes", "temp_bytes_vs_float32",
+          "argument_bytes", "kernels", "gemms_by_dtype", "half_gemm_flops")
+  return [{k: r[k] for k in keep if k in r} for r in rows]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", help="write the figures as JSON here")
+  args = parser.parse_args(argv)
+  out = {"label": LABEL, "jax_version": jax.__version__,
+         "python": platform.python_version(),
+         "made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+         "workload": "GPT decoder: d 1024, 4 layers, 16 heads, T 1024, batch "
+                     "16, vocab 8192, adamw, state donated",
+         "config": GPT, "losses": {}}
+  print(LABEL)
+  for name, loss_fn in LOSSES.items():
+    t0 = time.time()
+    rows = rows_for(loss_fn)
+    out["losses"][name] = rows
+    print(f"\nloss: {name} ({time.time() - t0:.0f} s to compile)")
+    print(f"{'mode':<15}{'temp MiB':>10}{'vs float32':>12}{'kernels':>9}"
+          f"{'half GEMM FLOPs':>17}")
+    for r in rows:
+      if r["status"] != "ok":
+        print(f"{r['mode']:<15} failed: {r.get('error')}")
+        continue
+      half = r.get("half_gemm_flops")
+      print(f"{r['mode']:<15}{r['temp_bytes'] / 2**20:>10,.0f}"
+            f"{r['temp_bytes_vs_float32']:>12.3f}{r['kernels']:>9}"
+            f"{'' if half is None else f'{100 * half:.0f} %':>17}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(out, f, indent=1)
+      f.write("\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
