@@ -55,7 +55,7 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
 
   if mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
-    jflax.set_policies(model, jflax.mixed_rules(half.name))
+    jflax.set_policies(model, jflax.mixed_rules(half))
   scale = (jmp_amp.DynamicLossScale(init_scale) if mode.get("scale") == "dynamic"
            else jmp_amp.NoOpLossScale())
   optimizer = nnx.Optimizer(model, jmp_amp.loss_scaling(tx, scale),
