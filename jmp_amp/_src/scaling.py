@@ -3,7 +3,7 @@
 `loss_scaling` wraps an optimizer so that it sees unscaled gradients, skips
 steps whose gradients are not finite and adjusts the loss scale, all as data
 flow inside the train step. Its cost over the bare optimizer is one extra read
-of the gradients (the finite check, a max-style reduction) and a few scalar
+of the gradients (the finite check, one fused reduction each) and a few scalar
 operations: the unscale is fused into the optimizer's own update kernels, and
 the skip either runs the optimizer under `jax.lax.cond` (CPU, TPU: the branch
 is chosen on the device) or selects inside its update kernels (GPU, where a
@@ -21,7 +21,6 @@ import optax
 
 from jmp_amp._src import loss_scale as ls_lib
 from jmp_amp._src.tree import all_finite
-from jmp_amp._src.tree import peak_abs
 from jmp_amp._src.tree import where_tree
 
 SKIP_WITH = ("auto", "cond", "select")
@@ -65,19 +64,13 @@ def _unscale(loss_scale: ls_lib.LossScale, grads):
 
 
 def _unscaled_finite(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
-  """Whether every leaf of ``_unscale(loss_scale, grads)`` would be finite.
+  """Whether every leaf of ``_unscale(loss_scale, grads)`` is finite.
 
-  Reads each gradient once and writes no gradient-sized temporary: the
-  largest magnitude of each leaf (`peak_abs`), then the unscale of that one
-  number. Exact: rounding is monotonic, so ``unscale(max |g|)`` overflows
-  exactly when the unscale of some element does, and a NaN or inf anywhere
-  makes the peak infinite.
+  The unscale fuses into the check's reductions (one read of each gradient,
+  no unscaled copy written), and an unscale that overflows (a scale below 1)
+  counts as non-finite, as it would reach the optimizer.
   """
-  oks = [jnp.isfinite(_unscale_leaf(loss_scale, peak_abs(g)))
-         for g in jax.tree_util.tree_leaves(grads) if _is_inexact(g)]
-  if not oks:
-    return jnp.array(True)
-  return jnp.all(jnp.stack(oks))
+  return all_finite(_unscale(loss_scale, grads))
 
 
 def _check_loss_scale(loss_scale: Any) -> None:
@@ -145,7 +138,7 @@ def loss_scaling(inner: optax.GradientTransformation,
 
   `update(grads, state, params)` takes the gradients of the *scaled* loss
   (``get_loss_scale(state).scale(loss)``), checks that all of them are finite
-  once unscaled (one max-style reduction per gradient), and then
+  once unscaled (one fused reduction per gradient), and then
 
   * finite: applies `inner` to the gradients divided by the scale in float32
     (the division is fused into `inner`'s own update kernels);

@@ -35,33 +35,14 @@ def cast_floating(tree: T, dtype: Any, is_leaf=None) -> T:
                                 tree, is_leaf=is_leaf)
 
 
-def peak_abs(x: jax.Array) -> jax.Array:
-  """The largest magnitude in an inexact array: inf if any element is NaN.
-
-  One reduction that reads `x` once and writes no temporary of its size.
-  For complex arrays the magnitude of an element is the larger of its parts'
-  (no ``sqrt``, so finite parts never overflow). NaNs count as inf, so the
-  result does not depend on how the backend's max treats NaN. An empty array
-  gives 0.
-  """
-  x = jnp.asarray(x)
-  if jnp.iscomplexobj(x):
-    mag = jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
-  else:
-    mag = jnp.abs(x)
-  if jnp.issubdtype(mag.dtype, jnp.floating) and np.isinf(
-      np.array(np.inf, mag.dtype)):
-    mag = jnp.where(jnp.isnan(mag), jnp.array(np.inf, mag.dtype), mag)
-  return jnp.max(mag, initial=jnp.array(0, mag.dtype))
-
-
 def all_finite(tree: Any) -> jax.Array:
   """Returns a scalar bool array: whether every inexact leaf is finite.
 
-  Each leaf is read once by a max-style reduction (`peak_abs`) and the
-  per-leaf results are combined on the device: no value leaves it, and no
-  gradient-sized boolean temporary is written. Non-inexact leaves (integers,
-  booleans, keys) are ignored.
+  One fused reduction per leaf, combined on the device: no value leaves it.
+  Non-inexact leaves (integers, booleans, keys) are ignored. This is the
+  cheapest exact check we measured: on a GPU a ``sum(x * 0)`` or ``max |x|``
+  reduction compiles to the same kernels and bytes, and on XLA:CPU the former
+  writes ``x * 0`` to a temporary while the vectorised max can drop NaNs.
 
   Example:
     >>> bool(jmp_amp.all_finite({"w": jnp.ones(3), "n": jnp.arange(2)}))
@@ -69,11 +50,11 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jmp_amp.all_finite([jnp.ones(2), jnp.array([1.0, jnp.nan])]))
     False
   """
-  peaks = [peak_abs(x) for x in jax.tree_util.tree_leaves(tree)
-           if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  if not peaks:
+  leaves = [x for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not leaves:
     return jnp.array(True)
-  return jnp.all(jnp.stack([jnp.isfinite(p) for p in peaks]))
+  return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
 def select_tree(pred: jax.Array, a: T, b: T) -> T:
