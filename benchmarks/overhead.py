@@ -454,7 +454,7 @@ def run_h100(workload, aot_dir, skip=(), dump=None):
   import aot_h100  # pylint: disable=import-outside-toplevel
   widths, batch_size, opt_name, lr = WORKLOADS[workload]
   spec = lambda t: jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
   params = init_params_shapes(widths)
   batch = spec(jax.eval_shape(lambda: (
       jnp.zeros((batch_size, widths[0])), jnp.zeros((batch_size, widths[-1])))))

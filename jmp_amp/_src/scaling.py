@@ -101,26 +101,58 @@ def _skip_by_select(finite, apply, grads, inner_state, params):
   return updates, where_tree(finite, new_inner, inner_state)
 
 
+def _vma(x) -> frozenset:
+  """The mesh axes `x` varies over inside `shard_map` (empty elsewhere)."""
+  aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
 def _skip_by_cond(finite, apply, grads, inner_state, params):
   """Runs `apply` only if `finite`, under `jax.lax.cond`.
 
   On CPU and TPU the conditional runs on the device, so a skipped step costs
   nothing and a taken one holds one optimizer state, not two.
   """
-  def take(operands):
-    updates, new_inner = apply(*operands)
+  operands = (grads, inner_state, params)
+
+  def take_raw(ops):
+    updates, new_inner = apply(*ops)
     # The same types as the state it replaces, as lax.cond requires.
     new_inner = jax.tree_util.tree_map(
         lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
-        new_inner, operands[1])
+        new_inner, ops[1])
     return updates, new_inner
 
-  def skip(operands):
-    updates = jax.eval_shape(take, operands)[0]
-    return (jax.tree_util.tree_map(
-        lambda u: jnp.full(u.shape, -0.0, u.dtype), updates), operands[1])
+  jaxpr, (shapes, _) = jax.make_jaxpr(take_raw, return_shape=True)(operands)
+  out_tree = jax.tree_util.tree_structure((shapes, inner_state))
+  # Under shard_map both branches must vary over the same mesh axes: each
+  # output varies over what the new value, the old one or the predicate
+  # does, as a select's result would.
+  old_leaves = (jax.tree_util.tree_leaves(shapes)
+                + jax.tree_util.tree_leaves(inner_state))
+  axes = [_vma(new) | (frozenset() if isinstance(old, jax.ShapeDtypeStruct)
+                       else _vma(old)) | _vma(finite)
+          for new, old in zip(jaxpr.out_avals, old_leaves)]
 
-  return jax.lax.cond(finite, take, skip, (grads, inner_state, params))
+  def vary(leaves):
+    out = []
+    for x, want in zip(leaves, axes):
+      missing = tuple(sorted(want - _vma(x)))
+      out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return jax.tree_util.tree_unflatten(out_tree, out)
+
+  def take(ops):
+    return vary(jax.tree_util.tree_leaves(take_raw(ops)))
+
+  def skip(ops):
+    zeros = [jnp.full(u.shape, -0.0, u.dtype)
+             for u in jax.tree_util.tree_leaves(shapes)]
+    return vary(zeros + jax.tree_util.tree_leaves(ops[1]))
+
+  return jax.lax.cond(finite, take, skip, operands)
 
 
 _SKIPS = {"select": _skip_by_select, "cond": _skip_by_cond}
@@ -310,7 +342,11 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
   """The current loss scale held in a (nested) optax state.
 
   Example:
-    >>> scaled_loss = jmp_amp.get_loss_scale(opt_state).scale(loss)
+    >>> opt = optax.chain(optax.clip_by_global_norm(1.0), jmp_amp.loss_scaling(
+    ...     optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0 ** 15)))
+    >>> opt_state = opt.init({"w": jnp.ones(3)})
+    >>> float(jmp_amp.get_loss_scale(opt_state).scale(jnp.float32(0.5)))
+    16384.0
   """
   return get_scaling_state(opt_state).loss_scale
 
