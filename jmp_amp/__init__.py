@@ -12,6 +12,12 @@ from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
+from jmp_amp._src.fp8 import delayed_scaling
+from jmp_amp._src.fp8 import fp8_dot_general
+from jmp_amp._src.fp8 import FP8Recipe
+from jmp_amp._src.fp8 import FP8State
+from jmp_amp._src.gpu_target import gpu_report
+from jmp_amp._src.gpu_target import GpuReport
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
 from jmp_amp._src.loss_scale import NoOpLossScale
@@ -28,16 +34,17 @@ from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
 from jmp_amp._src.scaling import scaling_metrics
 from jmp_amp._src.tree import all_finite
-from jmp_amp._src.tree import cast_floating
 from jmp_amp._src.tree import select_tree
-from jmp_amp._src.tree import where_tree
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "FP8Recipe",
+    "FP8State",
     "AutocastRules",
     "DEFAULT_AUTOCAST_RULES",
     "DynamicLossScale",
+    "GpuReport",
     "LossScale",
     "LossScalingState",
     "MatmulRecord",
@@ -47,18 +54,19 @@ __all__ = (
     "StaticLossScale",
     "all_finite",
     "autocast",
-    "cast_floating",
     "cast_to_full",
     "cast_to_half",
     "conv_general_dilated",
+    "delayed_scaling",
     "dot_general",
+    "fp8_dot_general",
     "get_loss_scale",
     "get_policy",
     "get_scaling_state",
+    "gpu_report",
     "half_dtype",
     "loss_scaling",
     "matmul_report",
     "scaling_metrics",
     "select_tree",
-    "where_tree",
 )

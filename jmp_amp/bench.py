@@ -116,7 +116,7 @@ def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
 
   if mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
-    jflax.set_policies(model, jflax.mixed_rules(half.name))
+    jflax.set_policies(model, jflax.mixed_rules(half))
   tx = jmp_amp.loss_scaling(optax.sgd(cfg.lr),
                             _loss_scale_for(mode, cfg.init_scale))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -529,6 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--plot", metavar="PNG",
                       help="bar charts of step time and memory per mode")
   parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--target", choices=["h100"],
+                      help="compile each mode for this GPU without one and "
+                      "report GEMM dtypes, kernels, memory and bytes "
+                      "(compiler figures, not timings; needs the gpu-audit "
+                      "extra)")
   return parser
 
 
@@ -594,6 +599,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   cfg = config_from_args(args, parser)
+  if args.target:
+    from jmp_amp import gpu_bench  # pylint: disable=g-import-not-at-top
+    return gpu_bench.run(args, cfg)
   runs = run(args, cfg)
   env = {k: runs[0][k] for k in ("device", "platform", "versions")}
   print_table(runs, env, cfg)

@@ -7,6 +7,7 @@ jmp_amp.checkpoint, jmp_amp.testing, the `jmp-amp bench` CLI and
 jmp_amp.flax's policy rules and train steps (skipped if not installed).
 """
 
+import dataclasses
 import math
 import re
 
@@ -62,6 +63,26 @@ POLICY_CASES = {
     "policy of wrong type": (
         lambda: jmp_amp.get_policy(42),
         TypeError, r"policy must be a Policy or a str, got int"),
+    "None dtypes (NumPy's float64)": (
+        lambda: jmp_amp.Policy(None, None, None),
+        TypeError, r"param_dtype must be a floating-point dtype .* got None"),
+    "None compute dtype": (
+        lambda: jmp_amp.Policy(jnp.float32, None, jnp.float32),
+        TypeError, r"compute_dtype must be .* got None \(NumPy would read"),
+    "bool dtype": (
+        lambda: jmp_amp.Policy(jnp.float32, bool, jnp.float32),
+        TypeError, r"compute_dtype must be a floating-point dtype \(bfloat16, "
+        r"float16, float32 or float64\) or its name, got bool"),
+    "integer dtype": (
+        lambda: jmp_amp.Policy(jnp.float32, jnp.float32, np.int8),
+        TypeError, r"output_dtype must be a floating-point dtype .* got int8"),
+    "complex dtype": (
+        lambda: jmp_amp.Policy(jnp.complex64, jnp.float32, jnp.float32),
+        TypeError, r"param_dtype must be a floating-point dtype .* got "
+        r"complex64"),
+    "with_ method validates": (
+        lambda: jmp_amp.get_policy("f32").with_compute_dtype(None),
+        TypeError, r"compute_dtype must be .* got None"),
 }
 
 
@@ -73,16 +94,43 @@ def test_bad_policy(case):
 # --------------------------------------------------------------------------
 # Loss scales.
 
+_F32_RANGE = r"float32's normal range \[1.175494e-38, 3.402823e\+38\]"
 LOSS_SCALE_CASES = {
     "static zero": (lambda: jmp_amp.StaticLossScale(0), ValueError,
                     r"StaticLossScale.loss_scale must be a finite number > 0, "
-                    r"got 0.0"),
+                    r"got 0.0; accepted: a real scalar .*" + _F32_RANGE),
     "static negative": (lambda: jmp_amp.StaticLossScale(-4.0), ValueError,
                         r"finite number > 0, got -4.0"),
     "static inf": (lambda: jmp_amp.StaticLossScale(INF), ValueError,
                    r"finite number > 0, got inf"),
     "static nan": (lambda: jmp_amp.StaticLossScale(float("nan")), ValueError,
                    r"finite number > 0, got nan"),
+    "static inf in float32": (
+        lambda: jmp_amp.StaticLossScale(1e39), ValueError,
+        r"StaticLossScale.loss_scale must be a finite number > 0, got 1e\+39 "
+        r"\(outside \[1.175494e-38, 3.402823e\+38\]: np.float32\(inf\) in "
+        r"float32\)"),
+    "static zero in float32": (
+        lambda: jmp_amp.StaticLossScale(1e-50), ValueError,
+        r"got 1e-50 \(outside .*np.float32\(0.0\) in float32\)"),
+    "static subnormal in float32": (
+        lambda: jmp_amp.StaticLossScale(1e-40), ValueError, r"got 1e-40"),
+    "static bool": (lambda: jmp_amp.StaticLossScale(True), TypeError,
+                    r"StaticLossScale.loss_scale must be a real number, got "
+                    r"True \(bool\)"),
+    "static numpy bool": (
+        lambda: jmp_amp.StaticLossScale(np.bool_(True)), TypeError,
+        r"must be a real number, got True \(bool scalar\)"),
+    "static string": (lambda: jmp_amp.StaticLossScale("1024"), TypeError,
+                      r"must be a real number, got '1024' \(str\)"),
+    "static complex": (lambda: jmp_amp.StaticLossScale(2 + 0j), TypeError,
+                       r"must be a real number, got \(2\+0j\) \(complex\)"),
+    "static vector": (
+        lambda: jmp_amp.StaticLossScale(np.array([2., 3.])), ValueError,
+        r"StaticLossScale.loss_scale must be a scalar, got shape \(2,\): an "
+        r"array of shape \(2,\) \(float64\)"),
+    "static None": (lambda: jmp_amp.StaticLossScale(None), TypeError,
+                    r"must be a real number, got None"),
     "static traced": (
         lambda: jax.jit(lambda s: jmp_amp.StaticLossScale(s).loss_scale)(2.0),
         ValueError, r"StaticLossScale needs a concrete loss_scale"),
@@ -92,12 +140,64 @@ LOSS_SCALE_CASES = {
                          r"loss_scale must be a finite number > 0, got -2.0"),
     "dynamic inf array": (lambda: Dyn(jnp.float32(INF)), ValueError,
                           r"loss_scale must be a finite number > 0, got inf"),
+    "dynamic nan array": (lambda: Dyn(np.float32("nan")), ValueError,
+                          r"loss_scale must be a finite number > 0, got nan"),
+    "dynamic inf in float32": (
+        lambda: Dyn(2.0**200), ValueError,
+        r"DynamicLossScale.loss_scale must be a finite number > 0, got "
+        r"1.6069380442589903e\+60 \(outside .*inf\) in float32\)"),
+    "dynamic float64 array inf in float32": (
+        lambda: Dyn(np.float64(1e39)), ValueError,
+        r"got 1e\+39 \(outside \[1.175494e-38, 3.402823e\+38\]"),
+    "dynamic zero in float32 (min 0)": (
+        lambda: Dyn(1e-50, min_loss_scale=0), ValueError,
+        r"got 1e-50 \(outside .*\(0.0\) in float32\)"),
+    "dynamic huge int": (lambda: Dyn(10**400), ValueError,
+                         r"must be a finite number > 0, got inf"),
     "dynamic non-scalar": (lambda: Dyn(jnp.ones(2)), ValueError,
                            r"loss_scale must be a scalar, got shape \(2,\)"),
+    "dynamic numpy vector": (
+        lambda: Dyn(np.full(3, 2.0**15)), ValueError,
+        r"DynamicLossScale.loss_scale must be a scalar, got shape \(3,\)"),
+    "dynamic shape (1,)": (lambda: Dyn(np.ones(1, np.float32)), ValueError,
+                           r"must be a scalar, got shape \(1,\)"),
+    "dynamic string": (
+        lambda: Dyn("32768"), TypeError,
+        r"DynamicLossScale.loss_scale must be a real number, got '32768' "
+        r"\(str\); accepted: a real scalar"),
+    "dynamic bool": (lambda: Dyn(True), TypeError,
+                     r"must be a real number, got True \(bool\)"),
+    "dynamic bool array": (
+        lambda: Dyn(jnp.bool_(True)), TypeError,
+        r"DynamicLossScale.loss_scale must have a real \(floating or integer\)"
+        r" dtype, got True \(bool scalar\)"),
+    "dynamic complex array": (
+        lambda: Dyn(jnp.complex64(2.0)), TypeError,
+        r"must have a real \(floating or integer\) dtype, got \(2\+0j\) "
+        r"\(complex64 scalar\)"),
+    "dynamic float16 inf": (lambda: Dyn(jnp.float16(INF)), ValueError,
+                            r"must be a finite number > 0, got inf"),
+    "dynamic counter out of range": (
+        lambda: Dyn(2.0**15, jnp.int32(2000)), ValueError,
+        r"DynamicLossScale.counter must be an integer scalar in \[0, 2000\), "
+        r"got 2000 \(int32 scalar\)"),
+    "dynamic float counter": (
+        lambda: Dyn(2.0**15, jnp.float32(1.0)), ValueError,
+        r"counter must be an integer scalar in \[0, 2000\), got 1.0 "
+        r"\(float32 scalar\)"),
+    "dynamic negative overflows": (
+        lambda: Dyn(2.0**15, hysteresis=2, overflows=-1), ValueError,
+        r"overflows must be an integer scalar in \[0, 2\), got -1"),
+    "validate a restored NaN": (
+        lambda: jax.tree_util.tree_map(lambda x: x * np.nan,
+                                       Dyn(2.0**15)).validate(),
+        ValueError, r"loss_scale must be a finite number > 0, got nan"),
     "period zero": (lambda: Dyn(2.0**15, period=0), ValueError,
                     r"period must be an integer >= 1, got 0"),
     "period fractional": (lambda: Dyn(2.0**15, period=1.5), ValueError,
                           r"period must be an integer >= 1, got 1.5"),
+    "period bool": (lambda: Dyn(2.0**15, period=True), ValueError,
+                    r"period must be an integer >= 1, got True"),
     "factor one": (lambda: Dyn(2.0**15, factor=1), ValueError,
                    r"factor must be a finite number > 1, got 1"),
     "factor below one": (lambda: Dyn(2.0**15, factor=0.5), ValueError,
@@ -116,6 +216,8 @@ LOSS_SCALE_CASES = {
         r"max_loss_scale \(32.0\)"),
     "min negative": (lambda: Dyn(2.0**15, min_loss_scale=-1.0), ValueError,
                      r"min_loss_scale must be a concrete finite number >= 0"),
+    "min nan": (lambda: Dyn(2.0**15, min_loss_scale=np.nan), ValueError,
+                r"min_loss_scale must be a concrete finite number >= 0, got nan"),
     "max non-positive": (lambda: Dyn(2.0**15, max_loss_scale=0.0), ValueError,
                          r"max_loss_scale must be a number > 0 or None"),
     "hysteresis zero": (lambda: Dyn(2.0**15, hysteresis=0), ValueError,
@@ -128,9 +230,12 @@ LOSS_SCALE_CASES = {
         r"loss_scale \(0.5\) must not be below min_loss_scale \(1.0\)"),
     "replace validates": (lambda: Dyn(2.0**15).replace(period=-1), ValueError,
                           r"period must be an integer >= 1, got -1"),
-    "immutable": (lambda: setattr(Dyn(2.0**15), "period", 5), AttributeError,
-                  r"DynamicLossScale is immutable; use adjust\(\) or "
-                  r"replace\(\)"),
+    "dataclasses.replace validates": (
+        lambda: dataclasses.replace(Dyn(2.0**15), loss_scale=np.inf),
+        ValueError, r"loss_scale must be a finite number > 0, got inf"),
+    "immutable": (lambda: setattr(Dyn(2.0**15), "period", 5),
+                  dataclasses.FrozenInstanceError,
+                  r"cannot assign to field 'period'"),
     "adjust with a vector": (
         lambda: Dyn(2.0**15).adjust(jnp.array([True, False])), ValueError,
         r"grads_finite must be a boolean scalar, got shape \(2,\)"),
@@ -196,7 +301,7 @@ def test_casting_passes_non_float_leaves_through():
           "key": jax.random.key(0), "name": "dense"}
   for cast in (jmp_amp.get_policy("p=f32,c=f16").cast_to_compute,
                jmp_amp.cast_to_half,
-               lambda t: jmp_amp.cast_floating(t, jnp.bfloat16)):
+               jmp_amp.get_policy("bf16").cast_to_param):
     out = cast(tree)
     assert out["w"].dtype in (jnp.float16, jnp.bfloat16)
     assert out["step"].dtype == jnp.int32
@@ -250,7 +355,7 @@ def test_checkpoint_bad_step(saved, step):
 
 def test_checkpoint_other_policy(saved):
   checkpoint, path, state = saved
-  target = {**state, "params": jmp_amp.cast_floating(PARAMS, jnp.bfloat16)}
+  target = {**state, "params": jmp_amp.get_policy("bf16").cast_to_param(PARAMS)}
   with pytest.raises(ValueError,  # CheckpointMismatchError is a ValueError
                      match=r"dtype mismatch \(a different precision "
                      r"policy\?\)[\s\S]*\['params'\]\['w'\]: saved float32, "
@@ -276,6 +381,27 @@ def test_checkpoint_other_optimizer(saved):
           checkpoint.CheckpointMismatchError,
           r"tree structure differs[\s\S]*in the checkpoint, not in the "
           r"target: \['opt_state'\]")
+
+
+def test_checkpoint_save_over_existing_step(saved):
+  checkpoint, path, state = saved
+  _raises(lambda: checkpoint.save(path, state, step=3),
+          checkpoint.CheckpointExistsError,
+          r"cannot save checkpoint step 3 in .*: step 3 already exists\. "
+          r"Pass overwrite=True")
+  _raises(lambda: checkpoint.save(path, state, step=2),
+          checkpoint.CheckpointExistsError,
+          r"step 2 is below the latest step 3")
+
+
+def test_checkpoint_damaged_metadata(saved):
+  checkpoint, path, state = saved
+  meta = path / "3" / "jmp_amp" / "metadata"
+  meta.write_bytes(meta.read_bytes()[:-20])  # truncated JSON
+  _raises(lambda: checkpoint.restore(path, state),
+          checkpoint.CheckpointCorruptedError,
+          r"checkpoint step 3 in .* is damaged or incomplete, file "
+          r"jmp_amp/metadata: JSONDecodeError")
 
 
 # --------------------------------------------------------------------------

@@ -7,6 +7,16 @@ and skipped steps on both sides of k; restoring into a target that differs
 that names the difference.
 """
 
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,7 +126,7 @@ def _saved(tmp_path, **opt_kwargs):
 
 def test_restore_into_bfloat16_params_names_the_dtype_mismatch(tmp_path):
   _, state = _saved(tmp_path)
-  target = {"params": jmp_amp.cast_floating(state["params"], jnp.bfloat16),
+  target = {"params": jmp_amp.get_policy("bf16").cast_to_param(state["params"]),
             "opt_state": state["opt_state"]}
   with pytest.raises(checkpoint.CheckpointMismatchError,
                      match=r"dtype mismatch[\s\S]*\['params'\]\['dense0'\]"
@@ -201,6 +211,19 @@ def test_nnx_model_and_optimizer_resume_in_place(tmp_path):
   assert tree_bytes_equal(m1, m2)
   assert tree_bytes_equal(nnx.state(model), nnx.state(model2))
 
+  # A NaN scale is refused before the target objects are touched.
+  bad = jax.tree_util.tree_map(lambda x: x, opt.opt_state)
+  leaves, treedef = jax.tree_util.tree_flatten(bad.loss_scale)
+  opt.opt_state = bad._replace(loss_scale=jax.tree_util.tree_unflatten(
+      treedef, [jnp.float32(np.nan)] + leaves[1:]))
+  checkpoint.save(tmp_path, {"model": model, "optimizer": opt}, step=4)
+  before = nnx.state(opt2)
+  with pytest.raises(checkpoint.InvalidLossScaleError,
+                     match=r"step 4 .*\['optimizer'\]\.opt_state\.loss_scale: "
+                     r"loss_scale is nan"):
+    checkpoint.restore(tmp_path, {"model": model2, "optimizer": opt2})
+  assert tree_bytes_equal(nnx.state(opt2), before)
+
   # nnx.state() drops the loss scale's hyper-parameters; the optimizer keeps
   # them, and the check sees them.
   model3, opt3 = make(5, period=4)
@@ -208,3 +231,429 @@ def test_nnx_model_and_optimizer_resume_in_place(tmp_path):
                      match=r"\['optimizer'\]\.opt_state\.loss_scale "
                      r"\(period: saved 3, target 4\)"):
     checkpoint.restore(tmp_path, {"model": model3, "optimizer": opt3})
+
+
+# --------------------------------------------------------------------------
+# Saving over existing steps.
+
+
+def _plus(state, k):
+  """`state` with every floating leaf shifted by `k` (a distinguishable run)."""
+  return jax.tree_util.tree_map(
+      lambda x: x + k if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+
+def test_save_over_an_existing_or_older_step_raises_unless_overwrite(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  checkpoint.save(tmp_path, state, step=5)
+  rerun = _plus(state, 1.0)
+  with pytest.raises(checkpoint.CheckpointExistsError,
+                     match=r"cannot save checkpoint step 5 in .*: step 5 "
+                     r"already exists\. Pass overwrite=True to delete steps "
+                     r"\[5\]") as info:
+    checkpoint.save(tmp_path, rerun, step=5)
+  assert isinstance(info.value, ValueError)
+  assert isinstance(info.value, FileExistsError)
+  assert info.value.step == 5 and info.value.existing == [5]
+  with pytest.raises(checkpoint.CheckpointExistsError,
+                     match=r"step 3 is below the latest step 5"):
+    checkpoint.save(tmp_path, rerun, step=3)
+  # Nothing was written: the first run's state is still there.
+  assert checkpoint.latest_step(tmp_path) == 5
+  assert tree_bytes_equal(checkpoint.restore(tmp_path, state), state)
+
+  checkpoint.save(tmp_path, rerun, step=5, overwrite=True)
+  assert tree_bytes_equal(checkpoint.restore(tmp_path, state), rerun)
+  # Going back deletes the later steps: the directory ends at the new step.
+  checkpoint.save(tmp_path, state, step=7)
+  older = _plus(state, 2.0)
+  checkpoint.save(tmp_path, older, step=3, overwrite=True)
+  with checkpoint.CheckpointManager(tmp_path) as mngr:
+    assert mngr.all_steps() == [3]
+  restored, step = checkpoint.restore_latest(tmp_path, state)
+  assert step == 3 and tree_bytes_equal(restored, older)
+
+
+def test_manager_save_refuses_existing_step(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  with checkpoint.CheckpointManager(tmp_path, max_to_keep=2) as mngr:
+    assert mngr.save(1, state)
+    mngr.save(2, state)
+    with pytest.raises(checkpoint.CheckpointExistsError,
+                       match=r"step 2 already exists"):
+      mngr.save(2, _plus(state, 1.0))
+    assert mngr.save(2, _plus(state, 1.0), overwrite=True)
+    assert tree_bytes_equal(mngr.restore(state), _plus(state, 1.0))
+    assert mngr.restored_step == 2
+
+
+# --------------------------------------------------------------------------
+# Damaged checkpoints: a named error or a bit-identical restore, never
+# changed values.
+
+# Orbax reads arrays in threads; after the first read fails, the others'
+# errors are reported as unraisable. The restore itself raised a named error.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
+NAMED_ERRORS = (checkpoint.CheckpointCorruptedError,
+                checkpoint.CheckpointMismatchError)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+  """A checkpoint (step 4) of a trained-looking state, and that state."""
+  opt = _optimizer()
+  state = _plus(rh.init_state(3, opt), 0.5)
+  directory = tmp_path_factory.mktemp("pristine")
+  checkpoint.save(directory, state, step=4)
+  files = sorted(os.path.relpath(os.path.join(root, f), directory)
+                 for root, _, fs in os.walk(directory) for f in fs)
+  return directory, state, files
+
+
+def _is_data_file(rel):
+  return f"{os.sep}d{os.sep}" in rel
+
+
+def _outcome(directory, state):
+  """'identical' or the named error's class; fails on anything else."""
+  try:
+    out = checkpoint.restore(directory, state)
+  except NAMED_ERRORS as e:
+    assert len(str(e)) < 1000, f"error message too long: {len(str(e))} chars"
+    return type(e).__name__ + (":array" if str(e.where).startswith("[")
+                               else "")
+  assert tree_bytes_equal(out, state), "restored CHANGED values silently"
+  return "identical"
+
+
+def _copy(pristine, tmp_path):
+  directory, state, files = pristine
+  copy = tmp_path / "ckpt"
+  shutil.copytree(directory, copy)
+  return copy, state, files
+
+
+def _flip4(path, offset, mask):
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    data = f.read(4)
+    f.seek(offset)
+    f.write(bytes(b ^ m for b, m in zip(data, mask)))
+
+
+FLIP_TRIALS = 8  # per file: first, last and middle bytes, then seeded ones
+
+
+def test_four_byte_flips_never_restore_changed_values(pristine, tmp_path):
+  directory, state, files = pristine
+  outcomes = collections.Counter()
+  for rel in files:
+    size = os.path.getsize(directory / rel)
+    # Seeded by the file's role and size, not its random orbax file name.
+    role = re.sub(r"[0-9a-f]{32}", "*", rel)
+    rng = np.random.default_rng(zlib.crc32(f"{role}:{size}".encode()))
+    offsets = [0, max(size - 4, 0), size // 2]
+    offsets += [int(o) for o in rng.integers(0, max(size - 4, 1),
+                                             FLIP_TRIALS - len(offsets))]
+    for trial, offset in enumerate(offsets):
+      copy = tmp_path / f"t{len(outcomes)}_{trial}"
+      shutil.copytree(directory, copy)
+      mask = rng.integers(1, 256, 4, dtype=np.uint8)  # no zero: a real flip
+      _flip4(copy / rel, offset, mask)
+      kind = "data" if _is_data_file(rel) else "metadata"
+      outcomes[(kind, _outcome(copy, state))] += 1
+      shutil.rmtree(copy)
+  print(dict(outcomes))
+  assert sum(outcomes.values()) == FLIP_TRIALS * len(files) >= 100
+  # Some flips hit bytes that are read; whether orbax or the checksum
+  # (":array") catches them depends on where they land.
+  # `_corrupt_values` below shows the checksum catching what orbax misses.
+  assert sum(v for (kind, o), v in outcomes.items()
+             if kind == "data" and o != "identical") > 0
+  assert outcomes[("metadata", "CheckpointCorruptedError")] > 0
+
+
+@pytest.mark.parametrize("keep", [0, 0.5])
+def test_truncated_files_never_restore_changed_values(pristine, tmp_path,
+                                                      keep):
+  directory, state, files = pristine
+  errors = 0
+  for i, rel in enumerate(files):
+    copy = tmp_path / f"t{i}"
+    shutil.copytree(directory, copy)
+    with open(copy / rel, "r+b") as f:
+      f.truncate(int(os.path.getsize(copy / rel) * keep))
+    errors += _outcome(copy, state) != "identical"
+    shutil.rmtree(copy)
+  print(f"truncated to {keep:.0%}: {errors} of {len(files)} named errors")
+  assert errors >= 3  # the data files and the JSON metadata at least
+
+
+def test_truncated_metadata_names_the_file_and_keeps_the_cause(pristine,
+                                                               tmp_path):
+  copy, state, _ = _copy(pristine, tmp_path)
+  meta = copy / "4" / "state" / "_METADATA"
+  meta.write_bytes(meta.read_bytes()[:100])
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=r"checkpoint step 4 in .* is damaged or incomplete, "
+                     r"file state/_METADATA: JSONDecodeError") as info:
+    checkpoint.restore(copy, state)
+  assert isinstance(info.value.__cause__, json.JSONDecodeError)
+  assert info.value.step == 4 and info.value.where == "state/_METADATA"
+
+
+def test_deleted_data_file_is_a_named_error(pristine, tmp_path):
+  copy, state, files = pristine
+  copy, state, files = _copy(pristine, tmp_path)
+  for rel in files:
+    if _is_data_file(rel):
+      os.remove(copy / rel)
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=r"checkpoint step 4 in .* is damaged or incomplete, "
+                     r"file state/") as info:
+    checkpoint.restore(copy, state)
+  assert len(str(info.value)) < 600  # not tensorstore's 2 kB
+  assert info.value.__cause__ is not None
+
+
+def test_deleted_metadata_item_is_a_named_error(pristine, tmp_path):
+  copy, state, _ = _copy(pristine, tmp_path)
+  shutil.rmtree(copy / "4" / "jmp_amp")
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=r"step 4 .* has no jmp_amp metadata: it is damaged, "
+                     r"or was not written by jmp_amp.checkpoint.*verify=False"):
+    checkpoint.restore(copy, state)
+  # The arrays are intact; asked for, they restore without the checks.
+  assert tree_bytes_equal(checkpoint.restore(copy, state, verify=False), state)
+
+
+def _corrupt_values(directory, step, state):
+  """Flips bytes of step `step` until orbax reads changed values; returns the
+  damaged array's path (the checksum error names it)."""
+  step_dir = directory / str(step)
+  for root, _, fs in sorted(os.walk(step_dir)):
+    for f in sorted(fs):
+      path = os.path.join(root, f)
+      if not _is_data_file(os.path.relpath(path, directory)):
+        continue
+      original = open(path, "rb").read()
+      for offset in range(len(original) - 4, 0, -97):
+        _flip4(path, offset, b"\xff\xff\xff\xff")
+        try:
+          checkpoint.restore(directory, state, step=step)
+        except checkpoint.CheckpointCorruptedError as e:
+          if str(e.where).startswith("["):
+            return e.where
+        open(path, "wb").write(original)
+  raise AssertionError("no flip changed an array's values")
+
+
+def test_latest_step_damaged_falls_back_to_newest_intact(tmp_path):
+  opt = _optimizer()
+  states = {s: _plus(rh.init_state(0, opt), float(s)) for s in (1, 2, 3)}
+  for s, st in states.items():
+    checkpoint.save(tmp_path, st, step=s)
+  where = _corrupt_values(tmp_path, 3, states[3])
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=rf"checkpoint step 3 in .*: array "
+                     rf"{re.escape(where)} does not match its checksum"):
+    checkpoint.restore(tmp_path, states[1])
+  with pytest.warns(checkpoint.CheckpointFallbackWarning,
+                    match=r"restored checkpoint step 2 .*, not step 3: "
+                    r"skipped damaged steps \[3\]"):
+    restored, step = checkpoint.restore_latest(tmp_path, states[1])
+  assert step == 2 and tree_bytes_equal(restored, states[2])
+
+  # A deleted step directory is simply not there: the latest is the one before.
+  shutil.rmtree(tmp_path / "3")
+  restored, step = checkpoint.restore_latest(tmp_path, states[1])
+  assert step == 2 and tree_bytes_equal(restored, states[2])
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 3"):
+    checkpoint.restore(tmp_path, states[1], step=3)
+
+  # Nothing intact at all: one named error.
+  _corrupt_values(tmp_path, 2, states[2])
+  _corrupt_values(tmp_path, 1, states[1])
+  with pytest.raises(
+      checkpoint.CheckpointCorruptedError,
+      match=r"no intact checkpoint in .*: steps \[2, 1\] are all damaged"):
+    checkpoint.restore_latest(tmp_path, states[1])
+
+
+def test_cast_dtypes_still_verifies_the_checksums(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  checkpoint.save(tmp_path, state, step=1)
+  _corrupt_values(tmp_path, 1, state)
+  target = {**state,
+            "params": jmp_amp.get_policy("bf16").cast_to_param(state["params"])}
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=r"does not match its checksum"):
+    checkpoint.restore(tmp_path, target, cast_dtypes=True)
+
+
+# --------------------------------------------------------------------------
+# Restored loss scales.
+
+
+def _with_scale(state, value):
+  def put(ls):
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    leaves[0] = jnp.asarray(value, jnp.float32)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+  opt_state = state["opt_state"]
+  return {**state, "opt_state": opt_state._replace(
+      loss_scale=put(opt_state.loss_scale))}
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, 0.0, -2.0])
+def test_restored_invalid_loss_scale_is_refused(tmp_path, value):
+  state = rh.init_state(0, _optimizer())
+  checkpoint.save(tmp_path, state, step=1)
+  checkpoint.save(tmp_path, _with_scale(state, value), step=2)
+  with pytest.raises(checkpoint.InvalidLossScaleError,
+                     match=r"checkpoint step 2 in .*: loss scale "
+                     r"\['opt_state'\]\.loss_scale: loss_scale is .*; it must "
+                     r"be a finite number > 0"):
+    checkpoint.restore(tmp_path, state)
+  with pytest.warns(checkpoint.CheckpointFallbackWarning):
+    restored, step = checkpoint.restore_latest(tmp_path, state)
+  assert step == 1 and tree_bytes_equal(restored, state)
+
+
+def test_check_loss_scales_accepts_a_valid_state():
+  state = rh.init_state(0, _optimizer())
+  checkpoint.check_loss_scales(state)  # no error
+  with pytest.raises(checkpoint.InvalidLossScaleError, match=r"nan"):
+    checkpoint.check_loss_scales(_with_scale(state, np.nan))
+
+
+# --------------------------------------------------------------------------
+# Checkpoints written without jmp_amp: plain orbax, and jmp's loss scale.
+
+
+def test_plain_orbax_checkpoint_restores_with_verify_false(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+    mngr.wait_until_finished()
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=r"has no jmp_amp metadata"):
+    checkpoint.restore(tmp_path, state)
+  restored = checkpoint.restore(tmp_path, state, verify=False)
+  assert tree_bytes_equal(restored, state)
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"in the target, not in the checkpoint: "
+                     r"params/extra"):
+    checkpoint.restore(tmp_path, {**state, "params": {
+        **state["params"], "extra": jnp.zeros(2)}}, verify=False)
+
+
+def test_jmp_dynamic_loss_scale_checkpoint_restores_into_jmp_amp(tmp_path):
+  jmp = pytest.importorskip("jmp", minversion="0.0.4")
+  params = rh.init_mlp(0)
+  jmp_scale = jmp.DynamicLossScale(jnp.float32(2.0**12), jnp.int32(7),
+                                   period=10)
+  # Orbax cannot save jmp's loss scale itself (its unflatten validates the
+  # placeholders orbax passes), so a jmp run saved its leaves: orbax keys a
+  # keyless node's leaves by index, exactly as it keys this tuple.
+  jmp_state = {"params": params,
+               "loss_scale": tuple(jax.tree_util.tree_leaves(jmp_scale))}
+  assert [np.asarray(x).dtype for x in jmp_state["loss_scale"]] == [
+      np.float32, np.int32]
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(3, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(jmp_state)))
+    mngr.wait_until_finished()
+  target = {"params": params, "loss_scale": jmp_amp.DynamicLossScale(
+      2.0**15, period=10)}
+  restored = checkpoint.restore(tmp_path, target, verify=False)
+  assert float(restored["loss_scale"].loss_scale) == 2.0**12
+  assert int(restored["loss_scale"].counter) == 7
+  assert restored["loss_scale"].period == 10
+  assert restored["loss_scale"].overflows is None  # hysteresis 1: jmp's leaves
+  assert tree_bytes_equal(restored["params"], params)
+  # The restored scale trains on: a finite step counts, an overflow backs off.
+  ls = restored["loss_scale"].adjust(jnp.array(False))
+  assert float(ls.loss_scale) == 2.0**11 and int(ls.counter) == 0
+
+
+def test_checkpoint_without_checksums_from_format_1_still_restores(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  checkpoint.save(tmp_path, state, step=1)
+  path = tmp_path / "1" / "jmp_amp" / "metadata"
+  meta = json.loads(path.read_text())
+  assert meta["format"] == "jmp_amp.checkpoint/2"
+  assert len(meta["checksums"]["arrays"]) == len(meta["leaves"])
+  del meta["checksums"]
+  path.write_text(json.dumps({**meta, "format": "jmp_amp.checkpoint/1"}))
+  assert tree_bytes_equal(checkpoint.restore(tmp_path, state), state)
+  # A /2 checkpoint without its checksums is damaged, not old.
+  path.write_text(json.dumps(meta))
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match=r"damaged metadata \(file jmp_amp/metadata\): no "
+                     r"'checksums' table"):
+    checkpoint.restore(tmp_path, state)
+
+
+_SAVER = r"""
+import sys
+import jax.numpy as jnp
+import numpy as np
+from jmp_amp import checkpoint
+
+directory, size = sys.argv[1], int(sys.argv[2])
+checkpoint.save(directory, {"w": jnp.arange(16, dtype=jnp.float32)}, step=1)
+print("saved 1", flush=True)
+big = np.random.default_rng(0).normal(size=size).astype(np.float32)
+checkpoint.save(directory, {"w": jnp.asarray(big[:16]), "big": jnp.asarray(big)},
+                step=2)
+print("saved 2", flush=True)
+"""
+
+
+def test_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
+  # SIGKILL while step 2 is being written: orbax writes into a temporary
+  # directory and renames it when complete, so step 1 stays the latest and
+  # restores bit-identically (or, if the kill came too late, step 2 is whole).
+  proc = subprocess.Popen(
+      [sys.executable, "-c", _SAVER, str(tmp_path), str(2**26)],
+      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      env={**os.environ, "PYTHONPATH": os.pathsep.join(
+          [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+          + sys.path)})
+  try:
+    assert proc.stdout.readline().strip() == "saved 1"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+      if any("tmp" in name for name in os.listdir(tmp_path)):
+        break
+      time.sleep(0.01)
+    time.sleep(0.05)
+    proc.kill()
+  finally:
+    proc.wait()
+  killed_mid_write = proc.returncode != 0
+  target = {"w": jnp.zeros(16, jnp.float32)}
+  restored, step = checkpoint.restore_latest(tmp_path, target)
+  print(f"killed mid-write: {killed_mid_write}; restored step {step}")
+  if step == 1:
+    assert killed_mid_write
+    np.testing.assert_array_equal(restored["w"], np.arange(16, dtype=np.float32))
+  else:  # the save finished before the kill: step 2 must be whole
+    assert step == 2
+    restored = checkpoint.restore(tmp_path, {
+        "w": target["w"], "big": jax.ShapeDtypeStruct((2**26,), jnp.float32)})
+    big = np.random.default_rng(0).normal(size=2**26).astype(np.float32)
+    np.testing.assert_array_equal(restored["big"], big)
+
+
+def test_overwrite_with_a_bad_state_deletes_nothing(tmp_path):
+  state = rh.init_state(0, _optimizer())
+  checkpoint.save(tmp_path, state, step=1)
+  with pytest.raises(TypeError, match=r"state leaf \['name'\] is a str"):
+    checkpoint.save(tmp_path, {**state, "name": "run"}, step=1,
+                    overwrite=True)
+  assert tree_bytes_equal(checkpoint.restore(tmp_path, state), state)

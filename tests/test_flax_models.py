@@ -7,7 +7,7 @@ CPU, while `nnx.eval_shape` + numpy compiles nothing.
 
 Also `KnoblessGPT`, a decoder whose attention block is written with plain jnp
 ops (no dtype/einsum knobs) and whose root owns a Param, to exercise the
-boundary casts of modules without knobs.
+boundary casts of modules without knobs (`jmp_amp.flax.cast_boundary`).
 """
 
 from flax import nnx
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jmp_amp.flax
 import models
 from models import data
 
@@ -115,6 +116,7 @@ class Attention(nnx.Module):
     self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
     self.proj = nnx.Linear(width, width, rngs=rngs)
 
+  @jmp_amp.flax.cast_boundary
   def __call__(self, x):
     b, t, d = x.shape
     q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
@@ -151,6 +153,7 @@ class KnoblessGPT(nnx.Module):
     self.blocks = nnx.List([KnoblessBlock(WIDTH, rngs) for _ in range(depth)])
     self.ln_f = nnx.LayerNorm(WIDTH, rngs=rngs)
 
+  @jmp_amp.flax.cast_boundary
   def __call__(self, tokens):
     x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
     for block in self.blocks:

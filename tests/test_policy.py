@@ -47,6 +47,12 @@ def test_policy_is_frozen_hashable_and_static_for_jit():
     ("c=f16", ("f32", "f16", "f16")),
     ("p=f16,c=bf16", ("f16", "bf16", "bf16")),
     (" P = f32 , C = Half ", ("f32", "f16", "f16")),
+    # `jmp-amp bench` mode names: fp16 is the bench's mixed recipe; bf16 keeps
+    # jmp's meaning (a dtype name alone sets all three).
+    ("fp16", ("f32", "f16", "f16")),
+    ("FP16", ("f32", "f16", "f16")),
+    ("fp32", ("f32", "f32", "f32")),
+    ("c=fp16,o=fp32", ("f32", "f16", "f32")),
 ])
 def test_get_policy_grammar(name, expected):
   policy = jmp_amp.get_policy(name)
@@ -75,10 +81,83 @@ def test_get_policy_rejects_non_strings():
     jmp_amp.get_policy(32)
 
 
-@pytest.mark.parametrize("bad", [jnp.int32, np.bool_, "int8", object])
+@pytest.mark.parametrize("bad", [jnp.int32, np.bool_, bool, "int8", object,
+                                 None, jnp.complex64, complex, int])
 def test_policy_rejects_non_float_dtypes(bad):
   with pytest.raises((TypeError, ValueError), match="compute_dtype"):
     jmp_amp.Policy(jnp.float32, bad, jnp.float32)
+
+
+def test_policy_of_nones_raises_instead_of_float64():
+  with pytest.raises(TypeError, match=r"param_dtype must be a floating-point "
+                     r"dtype .* got None \(NumPy would read None as float64\)"):
+    jmp_amp.Policy(None, None, None)
+
+
+@pytest.mark.parametrize("spelling", [np.float16, np.dtype("float16"),
+                                      jnp.float16, "float16", "f16"])
+def test_policy_dtypes_are_callable_scalar_types_equal_to_np_dtypes(spelling):
+  policy = jmp_amp.Policy(jnp.float32, spelling, jnp.float32)
+  assert policy.compute_dtype is jnp.float16
+  assert policy.compute_dtype == np.dtype(np.float16)
+  assert np.dtype(np.float16) == policy.compute_dtype
+  assert policy.compute_dtype != np.dtype(np.float32)
+  assert policy == jmp_amp.get_policy("p=f32,c=f16,o=f32")
+  assert hash(policy) == hash(jmp_amp.get_policy("p=f32,c=f16,o=f32"))
+  # jmp code calls the dtypes: policy.compute_dtype(x), half_dtype()(2 ** 15).
+  x = policy.compute_dtype(np.array([1.5, 2.0]))
+  assert isinstance(x, jax.Array) and x.dtype == np.float16
+  np.testing.assert_array_equal(np.asarray(x, np.float32), [1.5, 2.0])
+  assert jnp.zeros(2, policy.compute_dtype).dtype == np.float16
+  assert np.zeros(2, policy.compute_dtype).dtype == np.float16
+
+
+def test_half_dtype_is_callable_like_jmps():
+  half = jmp_amp.half_dtype()
+  assert half is jnp.float16  # CPU; bfloat16 on TPU.
+  scale = half(2**15)
+  assert scale.dtype == np.float16 and float(scale) == 2.0**15
+
+
+def test_jmp_readme_recipe_runs():
+  # jmp's README, with `import jmp_amp as jmp`.
+  jmp = jmp_amp
+  half = jmp.half_dtype()
+  full = jnp.float32
+  my_policy = jmp.Policy(compute_dtype=half, param_dtype=full,
+                         output_dtype=half)
+  assert my_policy == jmp.get_policy("params=float32,compute=half,output=half")
+  params = {"w": jnp.ones((3, 2))}
+  x = jnp.ones((4, 3))
+
+  def loss_fn(params, loss_scale):
+    params, x_ = my_policy.cast_to_compute((params, x))
+    y = my_policy.cast_to_output(x_ @ params["w"])
+    loss = jnp.mean(my_policy.cast_to_param(y) ** 2)
+    return loss_scale.scale(loss)
+
+  def train_step(params, loss_scale):
+    grads = jax.grad(loss_fn)(params, loss_scale)
+    grads = my_policy.cast_to_param(grads)
+    grads = loss_scale.unscale(grads)
+    grads_finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)
+    new_params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    params = jmp.select_tree(grads_finite, new_params, params)
+    return params, loss_scale, grads
+
+  loss_scale = jmp.DynamicLossScale(jmp.half_dtype()(2**15))
+  # 3.0 * 2**15 overflows float16 in the backward matmul: the step is skipped
+  # and the scale halves; at 2**14 the gradients fit.
+  params, loss_scale, grads = train_step(params, loss_scale)
+  assert not bool(jmp.all_finite(grads))
+  np.testing.assert_array_equal(params["w"], np.ones((3, 2)))
+  assert loss_scale.loss_scale.dtype == np.float16
+  assert float(loss_scale.loss_scale) == 2.0**14
+  params, loss_scale, grads = train_step(params, loss_scale)
+  np.testing.assert_allclose(grads["w"], np.full((3, 2), 3.0), rtol=1e-3)
+  np.testing.assert_allclose(params["w"], np.full((3, 2), 0.7), rtol=1e-3)
+  assert (float(loss_scale.loss_scale), int(loss_scale.counter)) == (2.0**14, 1)
 
 
 @settings(max_examples=40, deadline=None)

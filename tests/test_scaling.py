@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jmp_amp
+from jmp_amp._src.tree import where_tree
 from helpers import tree_bytes_equal
 
 OPTIMIZERS = {
@@ -202,8 +203,8 @@ def test_bad_arguments_raise_clear_errors(small_params):
 def test_where_tree_keeps_the_dtypes_of_the_old_tree():
   old = {"w": jnp.ones(2, jnp.bfloat16), "n": jnp.zeros((), jnp.int32)}
   new = {"w": jnp.full(2, 3.0, jnp.float32), "n": 5}
-  kept = jmp_amp.where_tree(jnp.bool_(False), new, old)
-  taken = jmp_amp.where_tree(jnp.bool_(True), new, old)
+  kept = where_tree(jnp.bool_(False), new, old)
+  taken = where_tree(jnp.bool_(True), new, old)
   assert tree_bytes_equal(kept, old)
   assert taken["w"].dtype == jnp.bfloat16 and taken["n"].dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(taken["w"], np.float32), [3.0, 3.0])

@@ -1,13 +1,24 @@
 """Loss scales: no-op, static and dynamic (jmp's API, with its bugs fixed).
 
 A loss scale multiplies the loss before differentiation, so that small
-gradients survive float16, and divides the gradients afterwards. All three
-classes are pytrees whose leaves are arrays and whose hyper-parameters are
-static aux data, so they pass through `jit`, sharding and checkpoints.
+gradients survive float16, and divides the gradients afterwards. The three
+classes are frozen dataclasses registered as pytrees: the values that change
+(the scale and its counters) are leaves, the hyper-parameters are static aux
+data, so they pass through `jit`, sharding and checkpoints, and
+`dataclasses.replace` works as it did with jmp's.
+
+Pytree registration is by hand rather than `jax.tree_util.register_dataclass`
+for two reasons. jax, optax and orbax rebuild pytrees with placeholder leaves
+(None, `jax.ShapeDtypeStruct`, tracers, zeros); `register_dataclass` rebuilds
+through ``__init__``, which validates, so unflattening here sets the fields
+directly and never validates. And the leaves flatten without key names in
+jmp's order, ``[loss_scale, counter]``, so an orbax checkpoint of jmp's
+`DynamicLossScale` restores into ours.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any, Optional, TypeVar, Union
@@ -19,45 +30,121 @@ import numpy as np
 
 T = TypeVar("T")
 
-# float32's smallest normal number: the floor when min_loss_scale is 0, so
-# that a scale can never reach zero (unscaling would then divide by zero).
-_TINY = float(np.finfo(np.float32).tiny)
+_F32 = np.finfo(np.float32)
+_SCALE_HELP = (
+    "accepted: a real scalar (Python number or 0-d array) that is finite and "
+    f"> 0 within float32's normal range [{_F32.tiny:.7g}, {_F32.max:.7g}]; "
+    "typical values are 2**15 (DynamicLossScale) or 1 (no scaling)")
 
 
-def _concrete_float(value: Any, name: str) -> Optional[float]:
-  """Returns `value` as a Python float, or None if it is traced/abstract."""
-  if isinstance(value, numbers.Real) and not isinstance(value, bool):
+def _describe(value: Any) -> str:
+  """The value, its type and shape, for error messages."""
+  if isinstance(value, jax.core.Tracer):
+    return f"a traced {value.dtype}{list(value.shape)} array"
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    if np.ndim(value) == 0:
+      return f"{np.asarray(value).item()!r} ({value.dtype} scalar)"
+    return f"an array of shape {tuple(np.shape(value))} ({value.dtype})"
+  return f"{value!r} ({type(value).__name__})"
+
+
+def _is_abstract(value: Any) -> bool:
+  """Tracers and shape placeholders: their value cannot be checked."""
+  return isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+def _bounds(dtype: Any) -> tuple[float, float]:
+  """The smallest and largest scale a `dtype` leaf may hold, as floats.
+
+  For floats, the normal range (a subnormal scale loses precision, and its
+  inverse overflows); for integers, 1 up to the largest value that survives a
+  round trip through float32, in which `adjust` computes.
+  """
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    info = jnp.finfo(dtype)
+    return float(info.tiny), float(info.max)
+  hi = np.float32(np.iinfo(dtype).max)
+  if float(hi) > np.iinfo(dtype).max:
+    hi = np.nextafter(hi, np.float32(0))
+  return 1.0, float(hi)
+
+
+def _check_scale_value(value: Any, name: str, *, allow_abstract: bool) -> None:
+  """Raises unless `value` is a finite positive real scalar in range.
+
+  Args:
+    value: a Python number or a scalar array (or, if `allow_abstract`, a tracer
+      or `jax.ShapeDtypeStruct`, whose shape and dtype only are checked).
+    name: how to name the value in messages ("DynamicLossScale.loss_scale").
+    allow_abstract: whether tracers and shape placeholders are accepted.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (numbers.Real, np.ndarray, np.generic, jax.Array,
+              jax.ShapeDtypeStruct)):
+    raise TypeError(f"{name} must be a real number, got {_describe(value)}; "
+                    + _SCALE_HELP)
+  if isinstance(value, numbers.Real) and not isinstance(value, np.generic):
+    try:
+      v = float(value)
+    except OverflowError:  # An int too large for a float.
+      v = math.inf
+    lo, hi = float(_F32.tiny), float(_F32.max)
+  else:
+    if np.shape(value) != ():
+      raise ValueError(
+          f"{name} must be a scalar, got shape {tuple(np.shape(value))}: "
+          f"{_describe(value)}; " + _SCALE_HELP)
+    dtype = value.dtype
+    if not (jnp.issubdtype(dtype, jnp.floating)
+            or jnp.issubdtype(dtype, jnp.integer)):
+      raise TypeError(f"{name} must have a real (floating or integer) dtype, "
+                      f"got {_describe(value)}; " + _SCALE_HELP)
+    if _is_abstract(value):
+      if allow_abstract:
+        return
+      raise ValueError(f"{name} must be concrete here, got {_describe(value)}")
+    v = float(np.asarray(value))
+    lo, hi = _bounds(dtype)
+    lo, hi = max(lo, float(_F32.tiny)), min(hi, float(_F32.max))
+  if not (math.isfinite(v) and lo <= v <= hi):
+    why = ""
+    if math.isfinite(v) and v > 0:
+      with np.errstate(over="ignore", under="ignore"):
+        why = f" (outside [{lo:.7g}, {hi:.7g}]: {np.float32(v)!r} in float32)"
+    raise ValueError(f"{name} must be a finite number > 0, got {v!r}{why}; "
+                     + _SCALE_HELP)
+
+
+def _concrete_number(value: Any) -> Optional[float]:
+  """A Python float for real numbers and concrete real scalar arrays, else None."""
+  if isinstance(value, (bool, np.bool_)) or _is_abstract(value):
+    return None
+  if isinstance(value, numbers.Real):
     return float(value)
-  if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
-    return float(value)
-  if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-    if np.ndim(value) != 0:
-      raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
-    return float(value)
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    if np.shape(value) == () and (jnp.issubdtype(value.dtype, jnp.floating)
+                                  or jnp.issubdtype(value.dtype, jnp.integer)):
+      return float(np.asarray(value))
   return None
 
 
-def _check_positive_scale(value: Any, name: str) -> None:
-  v = _concrete_float(value, name)
-  if v is not None and not (math.isfinite(v) and v > 0):
-    raise ValueError(
-        f"{name} must be a finite number > 0, got {v!r}. Typical values are "
-        "2**15 (DynamicLossScale) or 1 (no scaling).")
-
-
 def _warn_if_not_floating(x: Any, name: str) -> None:
-  # jax passes object() placeholders when it rebuilds pytrees.
-  if type(x) is object:  # pylint: disable=unidiomatic-typecheck
-    return
-  dtype = jax.eval_shape(lambda: x).dtype
-  if not jnp.issubdtype(dtype, jnp.floating):
+  # As jmp: an integer scale works (adjust keeps it integral), but warns.
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
     warnings.warn(f"Expected floating type for {name}, got {dtype}")
 
 
+@dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
-  """Does not scale: for float32 and bfloat16 training."""
+  """Does not scale: for float32 and bfloat16 training.
 
-  __slots__ = ()
+  Example:
+    >>> import jmp_amp
+    >>> jmp_amp.NoOpLossScale().scale(3.0)
+    3.0
+  """
 
   @property
   def loss_scale(self) -> int:
@@ -73,131 +160,172 @@ class NoOpLossScale:
     del grads_finite
     return self
 
-  def __eq__(self, other):
-    return type(other) is NoOpLossScale
-
-  def __hash__(self):
-    return hash(NoOpLossScale)
-
-  def __repr__(self):
-    return "NoOpLossScale()"
+  def validate(self) -> NoOpLossScale:
+    """Returns self: there is nothing to check."""
+    return self
 
 
+@dataclasses.dataclass(frozen=True, init=False)
 class StaticLossScale:
   """Scales the loss and unscales gradients by a fixed constant.
 
   The constant is static (a Python float), so this pytree has no leaves.
 
+  Example:
+    >>> import jmp_amp
+    >>> ls = jmp_amp.StaticLossScale(128)
+    >>> ls.scale(2.0), ls.unscale(256.0)
+    (256.0, 2.0)
+
   Args:
-    loss_scale: a finite number > 0.
+    loss_scale: a finite real number > 0 within float32's normal range.
+
+  Raises:
+    TypeError: for a bool, string, complex or other non-real `loss_scale`.
+    ValueError: for a `loss_scale` that is not a scalar, not finite, not > 0
+      or that float32 rounds to 0 or inf; for a traced one.
   """
 
-  __slots__ = ("_loss_scale",)
+  loss_scale: float
 
   def __init__(self, loss_scale: Any):
     if isinstance(loss_scale, jax.core.Tracer):
       raise ValueError(
           "StaticLossScale needs a concrete loss_scale (it is static data); "
           "use DynamicLossScale for a scale that is an array in your state.")
-    _check_positive_scale(loss_scale, "StaticLossScale.loss_scale")
-    self._loss_scale = float(np.asarray(loss_scale))
-
-  @property
-  def loss_scale(self) -> float:
-    return self._loss_scale
+    _check_scale_value(loss_scale, "StaticLossScale.loss_scale",
+                       allow_abstract=False)
+    object.__setattr__(self, "loss_scale", float(np.asarray(loss_scale)))
 
   def scale(self, tree: T) -> T:
-    return jax.tree_util.tree_map(lambda x: x * self._loss_scale, tree)
+    return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
 
   def unscale(self, tree: T) -> T:
-    inv = 1.0 / self._loss_scale
+    inv = 1.0 / self.loss_scale
     return jax.tree_util.tree_map(lambda x: x * inv, tree)
 
   def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
     del grads_finite
     return self
 
-  def __eq__(self, other):
-    return (type(other) is StaticLossScale
-            and other._loss_scale == self._loss_scale)
-
-  def __hash__(self):
-    return hash((StaticLossScale, self._loss_scale))
-
-  def __repr__(self):
-    return f"StaticLossScale({self._loss_scale!r})"
+  def validate(self) -> StaticLossScale:
+    """Returns self if its scale is valid (see the constructor), else raises."""
+    _check_scale_value(self.loss_scale, "StaticLossScale.loss_scale",
+                       allow_abstract=False)
+    return self
 
 
+_LEAF_FIELDS = ("loss_scale", "counter", "overflows")
+_STATIC_FIELDS = ("period", "factor", "min_loss_scale", "backoff_factor",
+                  "max_loss_scale", "hysteresis")
+
+
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class DynamicLossScale:
   """A loss scale that grows while gradients stay finite and backs off when not.
 
   Each call to `adjust(grads_finite)` returns the next state:
 
   * finite step: ``counter += 1``; when it reaches ``period`` the scale is
-    multiplied by ``factor`` (if that is finite, and capped at
-    ``max_loss_scale``) and the counter resets;
+    multiplied by ``factor`` (unless that exceeds what the scale's dtype can
+    hold; capped at ``max_loss_scale``) and the counter resets;
   * non-finite step: the counter resets, and after ``hysteresis`` consecutive
     non-finite steps the scale is multiplied by ``backoff_factor`` (default
-    ``1 / factor``), floored at ``min_loss_scale``.
+    ``1 / factor``), floored at ``min_loss_scale`` and at the smallest normal
+    number of the scale's dtype (1 for integer scales), so it never reaches 0;
+  * a scale that is not a finite number > 0 (NaN or inf built under `jit`, or
+    restored from a damaged checkpoint) is reset to that floor and grows back
+    from there; `validate()` rejects such a scale outright.
 
   With ``DynamicLossScale(2.**16, period=2000, factor=2, backoff_factor=.5)``
   this is `torch.amp.GradScaler`'s rule.
 
-  Leaves are the arrays ``loss_scale``, ``counter`` and ``overflows`` (the run
-  of consecutive non-finite steps, for hysteresis); all other fields are static
-  aux data, so they survive `jit` (jmp lost ``min_loss_scale`` there).
+  Leaves are ``loss_scale`` and ``counter`` (as in jmp, in that order and
+  without key names, so jmp checkpoints restore into it), and with
+  ``hysteresis > 1`` also ``overflows``, the run of consecutive non-finite
+  steps (None when ``hysteresis == 1``). The other fields are static aux data,
+  so they survive `jit` (jmp lost ``min_loss_scale`` there).
+
+  ``==`` compares the static fields in Python and the leaves as arrays: it
+  returns a Python bool for concrete leaves and a boolean scalar array under
+  `jit`. Instances are frozen; `dataclasses.replace` (or `replace`) validates
+  like the constructor.
 
   Example:
-    >>> ls = DynamicLossScale(jnp.float32(2**15))
-    >>> loss = ls.scale(loss)                  # before jax.grad
-    >>> grads = ls.unscale(grads)
-    >>> ls = ls.adjust(all_finite(grads))
+    >>> import jax, jax.numpy as jnp, jmp_amp
+    >>> ls = jmp_amp.DynamicLossScale(jnp.float32(2 ** 15), period=2)
+    >>> grads = jax.grad(lambda w: ls.scale(w * 3.0))(1.0)
+    >>> float(ls.unscale(grads))
+    3.0
+    >>> for finite in (True, True, False):
+    ...   ls = ls.adjust(jnp.bool_(finite))
+    ...   print(float(ls.loss_scale), int(ls.counter))
+    32768.0 1
+    65536.0 0
+    32768.0 0
 
   Args:
-    loss_scale: initial scale, a finite float > 0 (array or Python number).
-    counter: finite steps since the last change (int32 scalar).
+    loss_scale: initial scale: a real scalar (Python number, becoming a float32
+      array, or a 0-d array of any float or int dtype), finite and > 0 within
+      float32's normal range. A tracer is accepted unchecked (then `adjust`
+      repairs a non-finite value as described above).
+    counter: finite steps since the last change (int32 scalar), in
+      ``[0, period)``.
     period: finite steps between growths, an integer >= 1.
     factor: growth factor, > 1.
-    min_loss_scale: floor for back-off, >= 0 (0 floors at float32's tiny).
+    min_loss_scale: floor for back-off, >= 0 (0 floors at the dtype's smallest
+      normal number).
     backoff_factor: back-off multiplier in (0, 1); None means ``1 / factor``.
     max_loss_scale: cap for growth, or None for no cap; >= min_loss_scale.
     hysteresis: consecutive non-finite steps before backing off, >= 1.
-    overflows: consecutive non-finite steps so far (int32 scalar).
+    overflows: consecutive non-finite steps so far (int32 scalar), in
+      ``[0, hysteresis)``; ignored (stored as None) when ``hysteresis == 1``.
+
+  Raises:
+    TypeError: for a non-real `loss_scale` (bool, string, complex, ...).
+    ValueError: naming the argument, for values outside the ranges above.
   """
 
-  __slots__ = ("loss_scale", "counter", "overflows", "period", "factor",
-               "min_loss_scale", "backoff_factor", "max_loss_scale",
-               "hysteresis")
+  loss_scale: Any
+  counter: Any
+  period: int
+  factor: float
+  min_loss_scale: float
+  backoff_factor: Optional[float]
+  max_loss_scale: Optional[float]
+  hysteresis: int
+  overflows: Any
 
   def __init__(self, loss_scale: Any, counter: Any = None, period: int = 2000,
                factor: float = 2, min_loss_scale: Any = 1.0,
                backoff_factor: Optional[float] = None,
                max_loss_scale: Optional[float] = None, hysteresis: int = 1,
                overflows: Any = None):
+    _check_scale_value(loss_scale, "DynamicLossScale.loss_scale",
+                       allow_abstract=True)
     _warn_if_not_floating(loss_scale, "loss_scale")
     _warn_if_not_floating(min_loss_scale, "min_loss_scale")
-    _check_positive_scale(loss_scale, "loss_scale")
 
-    period_f = _concrete_float(period, "period")
+    period_f = _concrete_number(period)
     if period_f is None or period_f != int(period_f) or period_f < 1:
       raise ValueError(f"period must be an integer >= 1, got {period!r}")
-    factor_f = _concrete_float(factor, "factor")
+    factor_f = _concrete_number(factor)
     if factor_f is None or not (math.isfinite(factor_f) and factor_f > 1):
       raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
-    min_f = _concrete_float(min_loss_scale, "min_loss_scale")
+    min_f = _concrete_number(min_loss_scale)
     if min_f is None or not (math.isfinite(min_f) and min_f >= 0):
       raise ValueError(
           f"min_loss_scale must be a concrete finite number >= 0, got "
           f"{min_loss_scale!r}")
     if backoff_factor is not None:
-      b = _concrete_float(backoff_factor, "backoff_factor")
+      b = _concrete_number(backoff_factor)
       if b is None or not 0 < b < 1:
         raise ValueError(
             f"backoff_factor must be in (0, 1) (or None for 1/factor), got "
             f"{backoff_factor!r}")
       backoff_factor = b
     if max_loss_scale is not None:
-      m = _concrete_float(max_loss_scale, "max_loss_scale")
+      m = _concrete_number(max_loss_scale)
       if m is None or not m > 0:
         raise ValueError(
             f"max_loss_scale must be a number > 0 or None, got {max_loss_scale!r}")
@@ -205,70 +333,92 @@ class DynamicLossScale:
         raise ValueError(
             f"min_loss_scale ({min_f}) must not exceed max_loss_scale ({m})")
       max_loss_scale = m
-    hyst = _concrete_float(hysteresis, "hysteresis")
+    hyst = _concrete_number(hysteresis)
     if hyst is None or hyst != int(hyst) or hyst < 1:
       raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
-    # A scale outside [min, max] moves the wrong way: a back-off would raise
-    # it to the floor, a growth step would cut it to the cap.
-    init_f = _concrete_float(loss_scale, "loss_scale")
-    if init_f is not None and init_f < min_f:
-      raise ValueError(
-          f"loss_scale ({init_f}) must not be below min_loss_scale ({min_f})")
-    if (init_f is not None and max_loss_scale is not None
-        and init_f > max_loss_scale):
-      raise ValueError(
-          f"loss_scale ({init_f}) must not exceed max_loss_scale "
-          f"({max_loss_scale})")
 
-    if isinstance(loss_scale, numbers.Real):
+    if isinstance(loss_scale, numbers.Real) and not isinstance(
+        loss_scale, np.generic):
       # A Python number would make a weakly-typed leaf whose type changes after
       # the first adjust(), recompiling the train step.
       loss_scale = np.asarray(loss_scale, np.float32)
-    self.loss_scale = loss_scale
-    self.counter = (np.zeros([], np.int32) if counter is None else counter)
-    self.overflows = (np.zeros([], np.int32) if overflows is None
-                      else overflows)
-    self.period = int(period_f)
-    # Keep integer factors integers so that repr/equality match what was given.
-    self.factor = int(factor_f) if factor_f == int(factor_f) else factor_f
-    self.min_loss_scale = min_f
-    self.backoff_factor = backoff_factor
-    self.max_loss_scale = max_loss_scale
-    self.hysteresis = int(hyst)
+    # Python ints become int32 arrays, for the same reason.
+    counter = 0 if counter is None else counter
+    if isinstance(counter, int) and not isinstance(counter, bool):
+      counter = np.asarray(counter, np.int32)
+    if hyst == 1:
+      overflows = None  # Always 0 after a step: jmp's two leaves suffice.
+    else:
+      overflows = 0 if overflows is None else overflows
+      if isinstance(overflows, int) and not isinstance(overflows, bool):
+        overflows = np.asarray(overflows, np.int32)
+    fields = dict(
+        loss_scale=loss_scale, counter=counter, period=int(period_f),
+        # Integer factors stay integers, so repr/equality match what was given.
+        factor=int(factor_f) if factor_f == int(factor_f) else factor_f,
+        min_loss_scale=min_f, backoff_factor=backoff_factor,
+        max_loss_scale=max_loss_scale, hysteresis=int(hyst),
+        overflows=overflows)
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
+    self._check_leaves(allow_abstract=True)
 
-  def __setattr__(self, name, value):
-    if hasattr(self, "hysteresis"):
-      raise AttributeError("DynamicLossScale is immutable; use adjust() or "
-                           "replace()")
-    object.__setattr__(self, name, value)
+  def _check_leaves(self, allow_abstract: bool) -> None:
+    """Range checks of the leaves against the static fields."""
+    _check_scale_value(self.loss_scale, "DynamicLossScale.loss_scale",
+                       allow_abstract=allow_abstract)
+    for name, bound in (("counter", self.period),
+                        ("overflows", self.hysteresis)):
+      value = getattr(self, name)
+      if name == "overflows" and self.hysteresis == 1:
+        continue
+      if _is_abstract(value) and allow_abstract:
+        continue
+      v = _concrete_number(value)
+      dtype = getattr(value, "dtype", None)
+      if (v is None or v != int(v) or not 0 <= v < bound
+          or (dtype is not None and not jnp.issubdtype(dtype, jnp.integer))):
+        raise ValueError(
+            f"DynamicLossScale.{name} must be an integer scalar in "
+            f"[0, {bound}), got {_describe(value)}")
+    scale = _concrete_number(self.loss_scale)
+    if scale is None:
+      return
+    if scale < self.min_loss_scale:
+      raise ValueError(
+          f"loss_scale ({scale}) must not be below min_loss_scale "
+          f"({self.min_loss_scale})")
+    if self.max_loss_scale is not None and scale > self.max_loss_scale:
+      raise ValueError(
+          f"loss_scale ({scale}) must not exceed max_loss_scale "
+          f"({self.max_loss_scale})")
 
-  # --- pytree protocol: unflatten never validates (placeholders flow here).
-  def _static(self):
-    return (self.period, self.factor, self.min_loss_scale, self.backoff_factor,
-            self.max_loss_scale, self.hysteresis)
+  def validate(self) -> DynamicLossScale:
+    """Returns self if every leaf is a valid, concrete value, else raises.
 
-  def tree_flatten(self):
-    return (self.loss_scale, self.counter, self.overflows), self._static()
+    For states that did not come through the constructor, e.g. restored from a
+    checkpoint: the scale must be a finite number > 0 in range (see the
+    constructor), ``counter`` an integer in ``[0, period)`` and ``overflows``
+    one in ``[0, hysteresis)``.
 
-  @classmethod
-  def tree_unflatten(cls, static, leaves):
-    obj = object.__new__(cls)
-    values = dict(zip(("loss_scale", "counter", "overflows"), leaves))
-    values.update(zip(("period", "factor", "min_loss_scale", "backoff_factor",
-                       "max_loss_scale", "hysteresis"), static))
-    # Set hysteresis last: it marks the object as frozen.
-    for name in cls.__slots__:
-      object.__setattr__(obj, name, values[name])
-    return obj
+    Example:
+      >>> import jax, jax.numpy as jnp, jmp_amp
+      >>> ls = jmp_amp.DynamicLossScale(2.0 ** 15)
+      >>> broken = jax.tree_util.tree_map(lambda x: x * jnp.nan, ls)
+      >>> broken.validate()  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: DynamicLossScale.loss_scale must be a finite number > 0, got nan; ...
+
+    Raises:
+      TypeError, ValueError: naming the field, its value and what is accepted.
+    """
+    self._check_leaves(allow_abstract=False)
+    return self
 
   def replace(self, **changes) -> DynamicLossScale:
     """Returns a copy with `changes` (validated like the constructor)."""
-    kwargs = {name: getattr(self, name) for name in self.__slots__}
-    kwargs.update(changes)
-    return DynamicLossScale(**kwargs)
-
-  def _with_leaves(self, loss_scale, counter, overflows) -> DynamicLossScale:
-    return self.tree_unflatten(self._static(), (loss_scale, counter, overflows))
+    return dataclasses.replace(self, **changes)
 
   def scale(self, tree: T) -> T:
     return jax.tree_util.tree_map(lambda x: x * self.loss_scale, tree)
@@ -280,7 +430,9 @@ class DynamicLossScale:
   def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
     """Returns the next state, given whether this step's grads were finite.
 
-    Pure `jnp`/`lax` code: jit-safe, no host synchronisation.
+    Pure `jnp` code: jit-safe, no host synchronisation. Computes in float32
+    (or wider) and returns leaves in their own dtypes, within the bounds that
+    dtype can hold.
     """
     grads_finite = jnp.asarray(grads_finite)
     if grads_finite.ndim != 0:
@@ -288,54 +440,98 @@ class DynamicLossScale:
           f"grads_finite must be a boolean scalar, got shape {grads_finite.shape}")
     scale = jnp.asarray(self.loss_scale)
     counter = jnp.asarray(self.counter)
-    overflows = jnp.asarray(self.overflows)
+    compute = jnp.promote_types(scale.dtype, jnp.float32)
+    lo, hi = _bounds(scale.dtype)
+    floor = min(max(self.min_loss_scale, lo), hi)
+    cap = hi if self.max_loss_scale is None else min(self.max_loss_scale, hi)
+    s = scale.astype(compute)
 
-    grown = scale * jnp.asarray(self.factor, scale.dtype)
-    if self.max_loss_scale is not None:
-      grown = jnp.minimum(grown, jnp.asarray(self.max_loss_scale, scale.dtype))
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)
-    finite_scale = jnp.where(counter == self.period - 1, grown, scale)
+    grown = s * self.factor
+    # Growth that the dtype cannot hold keeps the scale (as torch does).
+    grown = jnp.minimum(jnp.where(grown <= hi, grown, s), cap)
+    finite_scale = jnp.where(counter == self.period - 1, grown, s)
 
     if self.backoff_factor is None:
-      reduced = scale / jnp.asarray(self.factor, scale.dtype)  # jmp's rule.
+      reduced = s / self.factor  # jmp's rule.
     else:
-      reduced = scale * jnp.asarray(self.backoff_factor, scale.dtype)
-    floor = max(self.min_loss_scale, _TINY)
-    reduced = jnp.maximum(jnp.asarray(floor, scale.dtype), reduced)
-    new_overflows = jnp.where(grads_finite, 0, overflows + 1)
-    back_off = new_overflows >= self.hysteresis
-    nonfinite_scale = jnp.where(back_off, reduced, scale)
+      reduced = s * self.backoff_factor
+    reduced = jnp.maximum(reduced, floor)
+    if self.hysteresis == 1:
+      back_off = jnp.logical_not(grads_finite)
+      new_overflows = None
+    else:
+      overflows = jnp.asarray(self.overflows)
+      run = jnp.where(grads_finite, 0, overflows + 1)
+      back_off = run >= self.hysteresis
+      new_overflows = jnp.where(back_off, 0, run).astype(overflows.dtype)
+    nonfinite_scale = jnp.where(back_off, reduced, s)
 
     new_scale = jnp.where(grads_finite, finite_scale, nonfinite_scale)
     new_counter = jnp.where(grads_finite, (counter + 1) % self.period, 0)
-    new_overflows = jnp.where(back_off, 0, new_overflows)
-    return self._with_leaves(new_scale.astype(scale.dtype), new_counter.astype(counter.dtype),
-                             new_overflows.astype(overflows.dtype))
+    # A NaN, inf or non-positive scale cannot recover by the rule above.
+    broken = jnp.logical_not(jnp.isfinite(s) & (s > 0))
+    new_scale = jnp.where(broken, floor, new_scale)
+    new_counter = jnp.where(broken, 0, new_counter)
+    return _unflatten(self._static(), (new_scale.astype(scale.dtype),
+                                       new_counter.astype(counter.dtype),
+                                       new_overflows))
+
+  def _static(self) -> tuple[Any, ...]:
+    return tuple(getattr(self, name) for name in _STATIC_FIELDS)
+
+  def _leaves(self) -> tuple[Any, ...]:
+    return tuple(getattr(self, name) for name in _LEAF_FIELDS)
 
   def __eq__(self, other):
     if type(other) is not DynamicLossScale:
       return NotImplemented
     if self._static() != other._static():
       return False
-    return all(bool(np.all(np.asarray(a) == np.asarray(b)))
-               for a, b in zip(self.tree_flatten()[0], other.tree_flatten()[0]))
+    pairs = [(a, b) for a, b in zip(self._leaves(), other._leaves())]
+    if any((a is None) != (b is None) for a, b in pairs):
+      return False
+    pairs = [(a, b) for a, b in pairs if a is not None]
+    if any(isinstance(x, jax.core.Tracer) for pair in pairs for x in pair):
+      return jnp.all(jnp.stack([jnp.all(jnp.asarray(a) == jnp.asarray(b))
+                                for a, b in pairs]))
+    return all(np.shape(a) == np.shape(b)
+               and bool(np.all(np.asarray(a) == np.asarray(b)))
+               for a, b in pairs)
 
-  __hash__ = None
+  __hash__ = None  # Leaves are arrays.
 
-  def __repr__(self):
-    return (f"DynamicLossScale(loss_scale={self.loss_scale!r}, "
-            f"counter={self.counter!r}, period={self.period}, "
-            f"factor={self.factor}, min_loss_scale={self.min_loss_scale}, "
-            f"backoff_factor={self.backoff_factor}, "
-            f"max_loss_scale={self.max_loss_scale}, "
-            f"hysteresis={self.hysteresis}, overflows={self.overflows!r})")
+
+def _flatten(ls: DynamicLossScale):
+  # The structure follows the static hysteresis, never a leaf's value: a
+  # placeholder None in `overflows` must not drop the leaf.
+  leaves = (ls.loss_scale, ls.counter)
+  if ls.hysteresis > 1:
+    leaves += (ls.overflows,)
+  return leaves, ls._static()  # pylint: disable=protected-access
+
+
+def _unflatten_node(static, leaves):
+  leaves = tuple(leaves)
+  if len(leaves) == 2:
+    leaves += (None,)
+  return _unflatten(static, leaves)
+
+
+def _unflatten(static, leaves) -> DynamicLossScale:
+  # Never validates: placeholders (None, ShapeDtypeStruct, object()) flow here.
+  obj = object.__new__(DynamicLossScale)
+  for name, value in zip(_STATIC_FIELDS + _LEAF_FIELDS,
+                         tuple(static) + tuple(leaves)):
+    object.__setattr__(obj, name, value)
+  return obj
 
 
 jax.tree_util.register_pytree_node(
     NoOpLossScale, lambda x: ((), None), lambda _, __: NoOpLossScale())
 jax.tree_util.register_pytree_node(
-    StaticLossScale, lambda x: ((), x._loss_scale),
+    StaticLossScale, lambda x: ((), x.loss_scale),
+    # Rebuilt from its own (validated) aux data, never from leaves.
     lambda aux, _: StaticLossScale(aux))
-jax.tree_util.register_pytree_node_class(DynamicLossScale)
+jax.tree_util.register_pytree_node(DynamicLossScale, _flatten, _unflatten_node)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]

@@ -18,13 +18,20 @@ class Policy:
   """Declares the dtypes of parameters, computation and outputs.
 
   A frozen, hashable dataclass, so it can be a static argument of `jax.jit`.
-  Dtypes are normalised to `np.dtype` and must be floating point.
+  Dtypes may be given as dtypes, scalar types or names ("bf16") and must be
+  floating point. They are stored as JAX's scalar types, as in jmp: callable
+  (``policy.compute_dtype(x)`` makes an array) and equal to the `np.dtype`.
 
   Example:
-    >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from jmp_amp import Policy, get_policy
+    >>> policy = Policy(jnp.float32, "bf16", np.float32)
     >>> str(policy)
     'p=f32,c=bf16,o=f32'
     >>> get_policy(str(policy)) == policy
+    True
+    >>> policy.compute_dtype(1.5).dtype == np.dtype(jnp.bfloat16)
     True
 
   Attributes:
@@ -40,7 +47,7 @@ class Policy:
   def __post_init__(self):
     # Policy is not a pytree node, so normalising here is safe.
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
-      value = dtypes.canonical_float_dtype(getattr(self, field), field)
+      value = dtypes.scalar_type(getattr(self, field), field)
       object.__setattr__(self, field, value)
 
   def cast_to_param(self, x: T) -> T:
@@ -67,7 +74,8 @@ class Policy:
   @property
   def is_mixed(self) -> bool:
     """Whether computation runs in a narrower dtype than the parameters."""
-    return self.compute_dtype.itemsize < self.param_dtype.itemsize
+    return (np.dtype(self.compute_dtype).itemsize
+            < np.dtype(self.param_dtype).itemsize)
 
   def __str__(self) -> str:
     return "p={},c={},o={}".format(
@@ -82,13 +90,19 @@ _KERAS_POLICIES = {
     "mixed_float16": ("f32", "f16", "f16"),
     "mixed_bfloat16": ("f32", "bf16", "bf16"),
 }
+# Mode names of `jmp-amp bench` that are not jmp dtype names. As a whole
+# policy, "fp16" is the bench's (and accelerate's) mixed float16 recipe; as a
+# part ("c=fp16") it is the dtype. "bf16" keeps jmp's meaning: all bfloat16.
+_MODE_POLICIES = {
+    "fp16": _KERAS_POLICIES["mixed_float16"],
+}
 _KEYS = {"p": "p", "params": "p", "param": "p",
          "c": "c", "compute": "c",
          "o": "o", "output": "o"}
 
 _GRAMMAR_HELP = (
     "Accepted: a dtype name for all three ({names}); a Keras policy name "
-    "({keras}); or comma-separated key=dtype parts with keys "
+    "({keras}); 'fp16' (= mixed_float16, as in `jmp-amp bench`); or comma-separated key=dtype parts with keys "
     "params/p, compute/c, output/o, e.g. 'params=float32,compute=bfloat16,"
     "output=float32' or 'p=f32,c=bf16,o=f32'.")
 
@@ -113,14 +127,28 @@ def get_policy(policy_name: Union[str, Policy]) -> Policy:
   Unspecified parts default as in jmp: params to float32, compute to params,
   output to compute ("c=bf16" is "p=f32,c=bf16,o=bf16").
 
+  A dtype name alone means that dtype for all three, as in jmp: "bf16" is
+  "p=bf16,c=bf16,o=bf16". The exception is "fp16", the name of `jmp-amp
+  bench`'s mode, which is the mixed recipe "mixed_float16"
+  ("p=f32,c=f16,o=f16"); the bench's "bf16" mode is "mixed_bfloat16".
+
+  Example:
+    >>> import jmp_amp
+    >>> str(jmp_amp.get_policy("c=bf16,o=f32"))
+    'p=f32,c=bf16,o=f32'
+    >>> str(jmp_amp.get_policy("fp16")), str(jmp_amp.get_policy("bf16"))
+    ('p=f32,c=f16,o=f16', 'p=bf16,c=bf16,o=bf16')
+
   Args:
     policy_name: e.g. "p=f32,c=bf16,o=f32", "params=float32,compute=float16",
-      "bf16", "half", "full", "mixed_bfloat16". A `Policy` is returned as is.
+      "bf16", "half", "full", "mixed_bfloat16", "fp16". A `Policy` is returned
+      as is.
 
   Returns:
     The `Policy`.
 
   Raises:
+    TypeError: if `policy_name` is neither a str nor a `Policy`.
     ValueError: naming the part that is not understood.
   """
   if isinstance(policy_name, Policy):
@@ -130,8 +158,9 @@ def get_policy(policy_name: Union[str, Policy]) -> Policy:
         f"policy must be a Policy or a str, got {type(policy_name).__name__}: "
         f"{policy_name!r}")
   name = policy_name.strip()
-  if name.lower() in _KERAS_POLICIES:
-    return Policy(*(dtypes.parse_dtype(n) for n in _KERAS_POLICIES[name.lower()]))
+  named = _KERAS_POLICIES.get(name.lower()) or _MODE_POLICIES.get(name.lower())
+  if named is not None:
+    return Policy(*(dtypes.parse_dtype(n) for n in named))
   if "=" not in name:
     try:
       dt = dtypes.parse_dtype(name)

@@ -1,222 +1,231 @@
 """Per-module precision policies for Flax linen, without editing module code.
 
 Linen modules are immutable definitions re-bound on every `apply`, so the
-policies are applied at call time, by a method interceptor
-(`flax.linen.intercept_methods`) active inside `linen_policies(rules)`. For
-every ``__call__`` (and `nn.Embed.attend`) of a bound module, it resolves the
-module's policy from its class and its scope path ('/'-joined, e.g.
-``"Block_0/Dense_1"``; the root is ``""``; see `jmp_amp.flax.rules`) and:
+policies are applied around `apply`, with public Flax tools only:
 
-* casts floating array arguments to the compute dtype and floating array
-  outputs to the output dtype;
-* reads the module's own params in the compute dtype: ``self.param(...)``
-  returns the cast value (the stored params stay in their dtype, float32 at
-  init under the mixed policies);
-* sets, for the duration of the call, the knobs the module has: ``dtype``
-  (compute), ``param_dtype`` (used at init), and for half compute dtypes
-  ``dot_general`` / ``conv_general_dilated`` to `jmp_amp.dot_general` /
-  `jmp_amp.conv_general_dilated` (float32 results, half backward) when they
-  are unset. The module is a throw-away bound clone, and the attributes are
-  restored when the call returns.
+1. A first, abstract pass (`jax.eval_shape`, nothing runs) of the same
+   `apply` under a method interceptor (`flax.linen.intercept_methods`)
+   records the bound modules the call reaches, with their class and scope
+   path ('/'-joined, e.g. ``"Block_0/Dense_1"``; the root is ``""``), and
+   resolves each one's policy (see `jmp_amp.flax.rules`).
+2. The params are cast, inside the traced function so gradients flow back to
+   the stored dtype, to the compute dtype of the module that owns them.
+3. The real `apply` runs under an interceptor that casts each module's
+   ``__call__`` (and `nn.Embed.attend`) floating array arguments to the
+   compute dtype and its floating array outputs to the output dtype (not the
+   root's under the catch-all ``"*"``: the model returns what its last layers
+   compute).
 
-Variables of other collections (BatchNorm's ``batch_stats``) are neither cast
-nor re-typed: they stay float32.
+Flax layers whose ``dtype`` is None (the default) compute in the dtype of
+their inputs and params, so they follow the policy; a layer given an explicit
+``dtype`` keeps it. Variables of other collections (BatchNorm's
+``batch_stats``) are neither cast nor re-typed: they stay float32.
+`init_with_policies` creates the params in each policy's param dtype.
 
-Limits: methods other than ``__call__``/``attend`` run without boundary casts
-(they still see the knobs of an enclosing call); params read other than
-through ``self.param`` (``self.variables``, ``self.get_variable``) are not
-cast; with lifted transforms (`nn.scan`, `nn.remat`) the transformed module's
-scope path is what the patterns see.
+Limits: methods other than ``__call__``/``attend`` run without boundary
+casts; with lifted transforms (`nn.scan`, `nn.remat`) the transformed
+module's scope path is what the patterns see; the first pass traces the
+model abstractly, so it must be traceable as under `jax.jit` (no Python
+branching on array values), and it doubles the tracing time (not the run
+time) of a step.
 
 Example:
-  >>> model = LinenMLP()
-  >>> variables = init_with_policies(model, mixed_rules(), key, x)  # float32
-  >>> logits = apply_with_policies(model, mixed_rules(), variables, x)
-  >>> logits.dtype
+  >>> import jmp_amp.flax
+  >>> class MLP(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     x = nn.LayerNorm()(nn.relu(nn.Dense(8)(x)))
+  ...     return nn.Dense(2, name="head")(x)
+  >>> x = jnp.ones((3, 4))
+  >>> rules = jmp_amp.flax.mixed_rules()
+  >>> variables = jmp_amp.flax.init_with_policies(MLP(), rules,
+  ...                                             jax.random.key(0), x)
+  >>> jmp_amp.flax.apply_with_policies(MLP(), rules, variables, x).dtype
   dtype(bfloat16)
+  >>> jmp_amp.flax.apply_with_policies(
+  ...     MLP(), rules | {"head": "float32"}, variables, x).dtype
+  dtype('float32')
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
-from jax import lax
+from flax import traverse_util
+import jax
 import numpy as np
 
-import jmp_amp
-from jmp_amp import Policy
 from jmp_amp.flax import _common
 from jmp_amp.flax import rules as rules_lib
 
 _EXTRA_METHODS: dict[type, tuple[str, ...]] = {nn.Embed: ("attend",)}
-_MATMUL_KNOBS = (
-    ("dot_general", jmp_amp.dot_general),
-    ("conv_general_dilated", jmp_amp.conv_general_dilated),
-)
-_MISSING = object()
+
+Path = tuple[str, ...]
 
 
-class _State(threading.local):
-  def __init__(self):
-    super().__init__()
-    self.stack: list[_Policies] = []
+def _path(module: nn.Module) -> Optional[Path]:
+  return None if module.scope is None else tuple(module.path)
 
 
-_STATE = _State()
+def _record(modules: dict[Path, nn.Module]):
+  """An interceptor recording the bound modules it sees, by scope path."""
+  def interceptor(next_fun, args, kwargs, context):
+    path = _path(context.module)
+    if path is not None:
+      modules.setdefault(path, context.module)
+    return next_fun(*args, **kwargs)
+  return interceptor
 
 
-class _Policies:
-  """One active `linen_policies` context: rules and what they matched."""
+def _nearest(path: Path, table: dict[Path, Any]) -> Optional[Path]:
+  """The longest prefix of `path` (itself included) that is in `table`."""
+  for n in range(len(path), -1, -1):
+    if path[:n] in table:
+      return path[:n]
+  return None
 
-  def __init__(self, ruleset: rules_lib.RuleSet):
-    self.ruleset = ruleset
-    self.used: set = set()
-    self.seen: dict[tuple[str, type], Any] = {}
 
-  def resolve(self, module: nn.Module) -> rules_lib.Resolution:
-    parent = module.parent
-    parent_res = self.resolve(parent) if isinstance(parent, nn.Module) else None
-    path = "/".join(module.path)
-    res = rules_lib.resolve(self.ruleset, path, module, parent_res)
-    self.seen.setdefault((path, type(module)), module)
-    if res.source in ("rule", "default"):
-      self.used.add(res.rule.key)
-    return res
+class _Plan:
+  """The policies of one call's modules, from the recorded modules."""
+
+  def __init__(self, ruleset: rules_lib.RuleSet,
+               modules: dict[Path, nn.Module], *, strict: bool):
+    self.resolved: dict[Path, rules_lib.Resolution] = {}
+    used = set()
+    for path in sorted(modules, key=len):
+      parent = _nearest(path[:-1], self.resolved) if path else None
+      res = rules_lib.resolve(
+          ruleset, "/".join(path), modules[path],
+          None if parent is None else self.resolved[parent])
+      self.resolved[path] = res
+      if res.source in ("rule", "default"):
+        used.add(res.rule.key)
+    if modules:
+      rules_lib.report_unmatched(
+          ruleset, used, [("/".join(p), m) for p, m in modules.items()],
+          strict=strict, what="the linen model")
+
+  def owner_policy(self, path: Path):
+    owner = _nearest(path, self.resolved)
+    return None if owner is None else self.resolved[owner].policy
+
+  def cast_params(self, variables: Any, which: str) -> Any:
+    """`variables` with each param in its owner's `which` dtype."""
+    if "params" not in variables:
+      return variables
+    flat = traverse_util.flatten_dict(variables["params"])
+    cast = {}
+    for path, value in flat.items():
+      policy = self.owner_policy(tuple(path[:-1]))
+      if policy is not None:
+        value = _common.cast_arrays(value, getattr(policy, which), ())
+      cast[path] = value
+    return {**variables, "params": traverse_util.unflatten_dict(cast)}
 
   def intercept(self, next_fun, args, kwargs, context):
-    # Only the innermost context applies, so nesting does not cast twice.
-    if not _STATE.stack or _STATE.stack[-1] is not self:
-      return next_fun(*args, **kwargs)
     module = context.module
     if context.method_name not in _common.methods_to_wrap(type(module),
                                                           _EXTRA_METHODS):
       return next_fun(*args, **kwargs)
-    policy = self.resolve(module).policy
-    if policy is None:
+    path = _path(module)
+    res = self.resolved.get(path) if path is not None else None
+    if res is None or res.policy is None:
       return next_fun(*args, **kwargs)
+    policy = res.policy
     args, kwargs = _cast_arrays((args, kwargs), policy.compute_dtype)
-    with _knobs(module, policy), _params_in(module, policy.compute_dtype):
-      out = next_fun(*args, **kwargs)
-    return _cast_arrays(out, policy.output_dtype)
+    out = next_fun(*args, **kwargs)
+    if rules_lib.casts_output("/".join(path), res):
+      out = _cast_arrays(out, policy.output_dtype)
+    return out
 
 
-@contextlib.contextmanager
-def _knobs(module: nn.Module, policy: Policy):
-  fields = getattr(type(module), "__dataclass_fields__", {})
-  changes = {}
-  if "dtype" in fields and _common.is_dtype_knob(module.dtype):
-    changes["dtype"] = policy.compute_dtype
-  if "param_dtype" in fields and _common.is_dtype_knob(module.param_dtype):
-    changes["param_dtype"] = policy.param_dtype
-  if policy.compute_dtype in _common.HALF:
-    for name, replacement in _MATMUL_KNOBS:
-      if (name in fields and getattr(module, name) is None
-          and getattr(module, name + "_cls", None) is None):
-        changes[name] = replacement
-  saved = {name: getattr(module, name) for name in changes}
-  try:
-    for name, value in changes.items():
-      # Bound modules are frozen dataclasses; this one is the clone bound for
-      # this apply, and gets its attributes back below.
-      object.__setattr__(module, name, value)
-    yield
-  finally:
-    for name, value in saved.items():
-      object.__setattr__(module, name, value)
-
-
-@contextlib.contextmanager
-def _params_in(module: nn.Module, dtype: np.dtype):
-  """Makes ``self.param(...)`` of `module` return values cast to `dtype`."""
-  scope = module.scope
-  if scope is None:
-    yield
-    return
-  previous = vars(scope).get("param", _MISSING)
-  original = scope.param
-
-  def param(name, init_fn, *init_args, **init_kwargs):
-    return _cast_arrays(original(name, init_fn, *init_args, **init_kwargs),
-                        dtype)
-
-  scope.param = param
-  try:
-    yield
-  finally:
-    if previous is _MISSING:
-      del scope.param
-    else:
-      scope.param = previous
+def _plan_for(call: Callable[[], Any], rules: Any, *, strict: bool,
+              abstract: bool = True) -> tuple[_Plan, Any]:
+  """Runs `call` (abstractly if `abstract`) recording its modules."""
+  ruleset = rules_lib.validate_rules(rules)
+  modules: dict[Path, nn.Module] = {}
+  with nn.intercept_methods(_record(modules)):
+    out = jax.eval_shape(call) if abstract else call()
+  return _Plan(ruleset, modules, strict=strict), out
 
 
 # --------------------------------------------------------------------------
 # Public API.
 
 
-@contextlib.contextmanager
-def linen_policies(rules: Any, *, strict: bool = False):
-  """Applies per-module policies to the linen modules run inside.
-
-  Rules are validated on entry. On a clean exit, rules that decided no module
-  of those called warn (or raise ValueError if `strict`).
-
-  Example:
-    >>> with linen_policies(mixed_rules("float16")):
-    ...   logits = model.apply(variables, x)
-
-  Args:
-    rules: a rules mapping, `Policy` or policy string (see
-      `jmp_amp.flax.rules`).
-    strict: raise instead of warning about rules that matched nothing.
-
-  Yields:
-    None.
-  """
-  ruleset = rules_lib.validate_rules(rules)
-  ctx = _Policies(ruleset)
-  _STATE.stack.append(ctx)
-  try:
-    with nn.intercept_methods(ctx.intercept):
-      yield
-  finally:
-    popped = _STATE.stack.pop()
-    assert popped is ctx
-  if ctx.seen:
-    rules_lib.report_unmatched(
-        ruleset, ctx.used, [(p, m) for (p, _), m in ctx.seen.items()],
-        strict=strict, what="the linen model")
-
-
 def init_with_policies(module: nn.Module, rules: Any, rngs: Any, *args: Any,
                        strict: bool = False, **kwargs: Any) -> Any:
-  """`module.init(rngs, *args, **kwargs)` under `linen_policies(rules)`.
+  """`module.init(rngs, *args, **kwargs)`, params in the policies' dtypes.
 
-  Params are created in each policy's param dtype: float32 under the mixed
-  policies.
+  Each param is stored in the param dtype of the policy of the module that
+  owns it: float32 under the mixed policies. Other collections are as
+  `init` makes them.
 
   Example:
-    >>> variables = init_with_policies(model, mixed_rules(), key, x)
+    >>> import jmp_amp.flax
+    >>> model = nn.Dense(2)
+    >>> variables = jmp_amp.flax.init_with_policies(
+    ...     model, "bfloat16", jax.random.key(0), jnp.ones((1, 3)))
+    >>> variables["params"]["kernel"].dtype
+    dtype(bfloat16)
+
+  Args:
+    module: the linen module.
+    rules: a rules mapping, `Policy` or policy string (see
+      `jmp_amp.flax.rules`).
+    rngs: as for `init`.
+    *args: as for `init`.
+    strict: raise ValueError instead of warning about rules that decided no
+      module.
+    **kwargs: as for `init`.
+
+  Returns:
+    The variables.
   """
-  with linen_policies(rules, strict=strict):
-    return module.init(rngs, *args, **kwargs)
+  plan, variables = _plan_for(lambda: module.init(rngs, *args, **kwargs),
+                              rules, strict=strict, abstract=False)
+  return plan.cast_params(variables, "param_dtype")
 
 
 def apply_with_policies(module: nn.Module, rules: Any, variables: Any,
                         *args: Any, strict: bool = False, **kwargs: Any
                         ) -> Any:
-  """`module.apply(variables, *args, **kwargs)` under `linen_policies(rules)`.
+  """`module.apply(variables, *args, **kwargs)` with per-module policies.
 
   Keyword arguments (``method=``, ``mutable=``, ``rngs=``) go to `apply`.
+  Call it inside the differentiated function: the param casts are part of
+  the traced program, so gradients come back in the stored dtypes.
 
   Example:
-    >>> logits, updates = apply_with_policies(
-    ...     model, mixed_rules(), variables, x, mutable=["batch_stats"])
+    >>> import jmp_amp.flax
+    >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> out, updates = jmp_amp.flax.apply_with_policies(
+    ...     model, jmp_amp.flax.mixed_rules(), variables, x,
+    ...     mutable=["batch_stats"])
+    >>> out.dtype, updates["batch_stats"]["layers_1"]["mean"].dtype
+    (dtype('float32'), dtype('float32'))
+
+  Args:
+    module: the linen module.
+    rules: a rules mapping, `Policy` or policy string (see
+      `jmp_amp.flax.rules`).
+    variables: as for `apply`.
+    *args: as for `apply`.
+    strict: raise ValueError instead of warning about rules that decided no
+      module.
+    **kwargs: as for `apply`.
+
+  Returns:
+    What `apply` returns.
   """
-  with linen_policies(rules, strict=strict):
+  plan, _ = _plan_for(lambda: module.apply(variables, *args, **kwargs),
+                      rules, strict=strict)
+  variables = plan.cast_params(variables, "compute_dtype")
+  with nn.intercept_methods(plan.intercept):
     return module.apply(variables, *args, **kwargs)
 
 
@@ -228,8 +237,12 @@ def policied_apply(module: nn.Module, rules: Any, *, strict: bool = False
   are validated now.
 
   Example:
-    >>> state = TrainState.create(apply_fn=policied_apply(model, rules),
-    ...                           params=variables["params"], tx=tx)
+    >>> import jmp_amp.flax
+    >>> model = nn.Dense(2)
+    >>> apply_fn = jmp_amp.flax.policied_apply(model, "mixed_float16")
+    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> apply_fn(variables, jnp.ones((1, 3))).dtype
+    dtype('float16')
   """
   rules_lib.validate_rules(rules)
 

@@ -1,95 +1,105 @@
-"""Per-module precision policies for Flax NNX models, applied in place.
+"""Per-module precision policies for Flax NNX models, set through their knobs.
 
 `set_policies(model, rules)` walks the module graph, gives each module the
-policy its rules resolve to (see `jmp_amp.flax.rules`) and then, per module:
+policy its rules resolve to (see `jmp_amp.flax.rules`) and sets it the way
+Flax itself offers, with plain attribute assignment on the modules:
 
-* stores its own `nnx.Param`s in the policy's param dtype (float32 master
+* its own `nnx.Param`s are stored in the policy's param dtype (float32 master
   weights under the mixed policies); other variables, such as BatchNorm's
   running statistics (`nnx.BatchStat`), keep their dtype (float32);
-* sets the knobs it has: ``dtype`` (compute dtype), ``param_dtype``, and, for
-  half compute dtypes, ``dot_general`` / ``conv_general_dilated`` /
-  ``einsum_op`` to `jmp_amp.dot_general` / `jmp_amp.conv_general_dilated` /
-  an einsum on it, so matmuls and convolutions accumulate and return float32
-  while their backward pass stays in half precision. Knobs set to something
-  other than the Flax default (a quantized dot, say) are left alone;
-* casts at its boundary, which is what makes modules without knobs (a custom
-  attention block) follow the policy: its instance's class is swapped for a
-  cached subclass whose ``__call__`` (and ``attend`` for `nnx.Embed`) casts
-  floating array arguments to the compute dtype, reads the module's own
-  Params in the compute dtype for the duration of the call, and casts
-  floating array outputs to the output dtype.
+* ``dtype`` (the compute dtype) and ``param_dtype``, where the module has
+  them: a Flax layer then casts its inputs and params to the compute dtype
+  and returns it;
+* for a half compute dtype with a float32 output dtype (``"p=f32,c=bf16,
+  o=f32"``), the matmul knobs ``dot_general`` / ``conv_general_dilated`` /
+  ``einsum_op`` become `jmp_amp.dot_general` / `jmp_amp.conv_general_dilated`
+  / a two-operand einsum on the same custom VJP: float32 results, backward
+  dots in half. With a half output dtype the knobs keep Flax's defaults: a
+  bf16 x bf16 -> bf16 dot accumulates in float32 inside the kernel, its
+  backward stays in half, and no float32 activation is materialised. Knobs
+  set to something other than the Flax default (a quantized dot) are left
+  alone.
 
-The subclass keeps the original's name and is a subclass of it, so
-`isinstance` checks, `nnx.split`/`nnx.merge`, `nnx.jit`, `nnx.grad`,
-`nnx.clone`, `nnx.Optimizer`, `copy.deepcopy` and pickling work as before;
-the policy is a static attribute, part of the graphdef.
+A module's output is what its knobs produce: the compute dtype, or float32 as
+above. Modules without knobs (a container like a transformer block) pass on
+what their children return; their children inherit their policy.
 
-Limits: only ``__call__`` (and `nnx.Embed.attend`) is wrapped, so other
-methods run without boundary casts; a Param read from *another* module's
-attribute (``x @ self.embed.embedding[...].T``) is not cast, call that module
-instead (``self.embed.attend(x)``); a module shared between two places gets
-the policy of its first path.
+Modules that compute with their own Params without knobs (``x @
+self.w[...]``) opt in to boundary casts explicitly, by decorating the method
+with `cast_boundary`: the method then takes floating inputs in the compute
+dtype, reads the module's own Params in the compute dtype and returns the
+output dtype. `set_policies` warns about modules that need it and lack it.
+
+The policy is a static attribute of each module, part of its graph
+definition; the state tree (paths, structure) is the unpoliced model's, so
+checkpoints move between the two, and `nnx.split`/`nnx.merge`, `nnx.jit`,
+`nnx.clone`, `nnx.Optimizer`, `copy.deepcopy` and pickling keep the policies.
+
+Limits: a Param read from *another* module's attribute (``x @
+self.embed.embedding[...].T``) is not cast, call that module instead
+(``self.embed.attend(x)``); `nnx.Embed.attend` returns the compute dtype
+whatever the output dtype (it has no matmul knob); a module shared between
+two places gets the policy of its first path; a `cast_boundary` method whose
+module has Params to cast runs on a view of the module (`nnx.merge` of its
+state, sharing its Variables), so plain attributes it assigns on ``self``
+stay on the view.
 
 Example:
-  >>> model = models.ResNet(rngs=nnx.Rngs(0))
-  >>> set_policies(model, jmp_amp.flax.mixed_rules("bfloat16"))
-  >>> model(x).dtype
+  >>> import jmp_amp.flax
+  >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+  ...                        nnx.LayerNorm(8, rngs=nnx.Rngs(0)),
+  ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(0)))
+  >>> _ = jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules())
+  >>> model(jnp.ones((3, 4))).dtype
   dtype(bfloat16)
-  >>> str(get_policies(model)["stem_bn"]), model.stem.kernel[...].dtype
-  ('p=f32,c=f32,o=f32', dtype('float32'))
+  >>> model.layers[0].kernel[...].dtype, model.layers[0].dtype
+  (dtype('float32'), dtype(bfloat16))
+  >>> str(jmp_amp.flax.policy_of(model.layers[1]))
+  'p=f32,c=f32,o=f32'
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
-import sys
-import types
-from typing import Any, Iterator, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
+import warnings
 
 from flax import nnx
+import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-import jmp_amp
 from jmp_amp import Policy
+from jmp_amp._src import ops
 from jmp_amp.flax import _common
 from jmp_amp.flax import rules as rules_lib
 
 M = TypeVar("M", bound=nnx.Module)
+F = TypeVar("F", bound=Callable[..., Any])
 
-_POLICY_ATTR = "_jmp_amp_policy"
-_KNOBS_ATTR = "_jmp_amp_knobs"
+_ATTR = "_jmp_amp_policy"
+_BOUNDARY_MARK = "__jmp_amp_cast_boundary__"
+_MISSING = object()
+# Modules that only hold others: what they hold belongs to their owner.
+_CONTAINERS = (nnx.List, nnx.Dict)
 
-# Methods wrapped besides __call__: Embed.attend is the tied output head.
-_EXTRA_METHODS: dict[type, tuple[str, ...]] = {nnx.Embed: ("attend",)}
-
-
-def _einsum(*operands, **kwargs):
-  """`jnp.einsum` whose contractions go through `jmp_amp.dot_general`."""
-  kwargs.setdefault("_dot_general", jmp_amp.dot_general)
-  return jnp.einsum(*operands, **kwargs)
-
-
-def _conv_general_dilated(lhs, rhs, *args, out_sharding=None, **kwargs):
-  """`jmp_amp.conv_general_dilated` taking the `out_sharding` nnx.Conv passes."""
-  if out_sharding is None:
-    return jmp_amp.conv_general_dilated(lhs, rhs, *args, **kwargs)
-  # Explicit output sharding: lax keeps it, at the price of a float32
-  # backward pass.
-  kwargs.setdefault("preferred_element_type", jnp.float32)
-  return lax.conv_general_dilated(lhs, rhs, *args, out_sharding=out_sharding,
-                                  **kwargs)
-
-
-# (knob, Flax's default values, replacement for half compute dtypes).
+# (knob, Flax's default values, float32-result replacement).
 _MATMUL_KNOBS = (
-    ("dot_general", (lax.dot_general, None), jmp_amp.dot_general),
+    ("dot_general", (lax.dot_general, None), ops.dot_general),
     ("conv_general_dilated", (lax.conv_general_dilated, None),
-     _conv_general_dilated),
-    ("einsum_op", (jnp.einsum,), _einsum),
+     ops.conv_general_dilated),
+    ("einsum_op", (jnp.einsum,), ops.einsum),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Applied:
+  """What `set_policies` did to one module (a static, hashable attribute)."""
+  policy: Policy
+  cast_output: bool
+  originals: tuple[tuple[str, Any], ...]
 
 
 # --------------------------------------------------------------------------
@@ -100,12 +110,16 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
   """Applies per-module policies to an NNX model in place.
 
   Calling it again replaces the previous policies (modules that no rule
-  matches any more are restored to their original class and knobs).
+  matches any more get their original knobs back).
 
   Example:
-    >>> model = set_policies(model, {"head": "p=f32,c=bf16,o=f32",
-    ...                              nnx.LayerNorm: "float32",
-    ...                              "*": "mixed_bfloat16"})
+    >>> import jmp_amp.flax
+    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(0)))
+    >>> model = jmp_amp.flax.set_policies(
+    ...     model, {"layers/1": "float32", "*": "mixed_bfloat16"})
+    >>> model(jnp.ones((3, 4))).dtype  # the float32 head decides the output
+    dtype('float32')
 
   Args:
     model: the `nnx.Module` (the root of the graph).
@@ -114,7 +128,8 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
       `Policy` or a policy string (meaning ``{"*": policy}``).
     strict: raise ValueError, instead of warning, when a rule decides no
       module (optional rules, e.g. the norm rules of `mixed_rules`, never
-      complain).
+      complain) or a module cannot follow its policy (no knobs, own Params
+      and no `cast_boundary` method).
 
   Returns:
     `model`, for chaining.
@@ -123,12 +138,12 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
     TypeError: `model` is not an nnx.Module or a rule key is not a module
       class or str.
     ValueError: a rule value is not a policy, a pattern is malformed, or (if
-      `strict`) a rule matched nothing.
+      `strict`) a rule matched nothing or a module cannot follow its policy.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"set_policies expects an nnx.Module, got "
                     f"{type(model).__name__}; for linen modules use "
-                    "jmp_amp.flax.apply_with_policies / linen_policies.")
+                    "jmp_amp.flax.apply_with_policies.")
   ruleset = rules_lib.validate_rules(rules)
   modules = _modules(model)
   resolved: dict[tuple, rules_lib.Resolution] = {}
@@ -142,8 +157,26 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
   rules_lib.report_unmatched(
       ruleset, used, [(_path_str(p), m) for p, m in modules], strict=strict,
       what=type(model).__name__)
+  problems = []
   for path, module in modules:
-    _apply(module, resolved[path].policy)
+    res = resolved[path]
+    _remove(module)
+    if res.policy is not None:
+      problem = _apply(module, res.policy,
+                       cast_output=rules_lib.casts_output(_path_str(path),
+                                                          res),
+                       explicit=res.source == "rule")
+      if problem:
+        problems.append(f"{_path_str(path) or '<root>'!r} "
+                        f"({type(module).__name__}) {problem}")
+  _cast_params(model, {p: resolved[p].policy for p, _ in modules})
+  if problems:
+    msg = ("jmp_amp.flax: " + "; ".join(problems) + ". Decorate the module's "
+           "method with @jmp_amp.flax.cast_boundary, give it dtype knobs, or "
+           "cast in your code.")
+    if strict:
+      raise ValueError(msg)
+    warnings.warn(msg, UserWarning, stacklevel=2)
   return model
 
 
@@ -151,35 +184,106 @@ def policy_of(module: nnx.Module) -> Optional[Policy]:
   """The policy `set_policies` gave `module`, or None.
 
   Example:
-    >>> str(policy_of(model.stem_bn))
-    'p=f32,c=f32,o=f32'
+    >>> import jmp_amp.flax
+    >>> layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> print(jmp_amp.flax.policy_of(layer))
+    None
+    >>> str(jmp_amp.flax.policy_of(
+    ...     jmp_amp.flax.set_policies(layer, "mixed_float16")))
+    'p=f32,c=f16,o=f16'
   """
   if not isinstance(module, nnx.Module):
     raise TypeError(f"policy_of expects an nnx.Module, got "
                     f"{type(module).__name__}")
-  return vars(module).get(_POLICY_ATTR)
+  applied = vars(module).get(_ATTR)
+  return None if applied is None else applied.policy
 
 
 def get_policies(model: nnx.Module) -> dict[str, Optional[Policy]]:
   """Every module's policy, keyed by '/'-joined path (the root is "").
 
   Example:
-    >>> {p: str(pol) for p, pol in get_policies(model).items()}
-    {'': 'p=f32,c=bf16,o=bf16', 'stem_bn': 'p=f32,c=f32,o=f32', ...}
+    >>> import jmp_amp.flax
+    >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    >>> _ = jmp_amp.flax.set_policies(model, {"layers/0": "float16"})
+    >>> {p: str(pol) for p, pol in jmp_amp.flax.get_policies(model).items()}
+    {'': 'None', 'layers': 'None', 'layers/0': 'p=f16,c=f16,o=f16'}
   """
   return {_path_str(p): policy_of(m) for p, m in _modules(model)}
 
 
 def clear_policies(model: M) -> M:
-  """Undoes `set_policies`: original classes and knobs (params keep dtype).
+  """Undoes `set_policies`: original knobs (params keep their dtype).
 
   Example:
-    >>> clear_policies(model); type(model.head) is nnx.Linear
-    True
+    >>> import jmp_amp.flax
+    >>> layer = jmp_amp.flax.set_policies(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+    ...                                   "mixed_bfloat16")
+    >>> layer = jmp_amp.flax.clear_policies(layer)
+    >>> jmp_amp.flax.policy_of(layer) is None, layer.dtype is None
+    (True, True)
   """
   for _, module in _modules(model):
     _remove(module)
   return model
+
+
+def cast_boundary(method: F) -> F:
+  """Has a module method follow the module's policy at its boundary.
+
+  For NNX modules that compute with their own Params without ``dtype``
+  knobs. While the module has a policy (from `set_policies`), the decorated
+  method takes its floating array arguments in the compute dtype, sees the
+  module's own Params (not those of submodules, which follow their own
+  policies) in the compute dtype, and returns floating arrays in the output
+  dtype (except the root under the catch-all ``"*"``, see
+  `jmp_amp.flax.rules`). Without a policy it runs unchanged. The stored
+  Params keep their dtype; other variables (statistics, RNG counters) are
+  updated in place as usual.
+
+  To use it on a class you cannot edit, subclass it:
+  ``class MyModel(Theirs): __call__ = cast_boundary(Theirs.__call__)``.
+
+  Example:
+    >>> import jmp_amp.flax
+    >>> class Scale(nnx.Module):
+    ...   def __init__(self):
+    ...     self.w = nnx.Param(jnp.ones((4, 2)))
+    ...   @jmp_amp.flax.cast_boundary
+    ...   def __call__(self, x):
+    ...     return x @ self.w[...]
+    >>> model = jmp_amp.flax.set_policies(Scale(), {"": "p=f32,c=f16,o=f32"})
+    >>> model(jnp.ones((3, 4))).dtype, model.w[...].dtype
+    (dtype('float32'), dtype('float32'))
+    >>> model = jmp_amp.flax.set_policies(Scale(), "p=f32,c=f16,o=f32")
+    >>> model(jnp.ones((3, 4))).dtype  # "*" leaves the root's outputs alone
+    dtype('float16')
+    >>> jmp_amp.matmul_report(model, jnp.ones((3, 4))).input_dtypes()
+    {'f16'}
+
+  Args:
+    method: a method of an `nnx.Module` subclass.
+
+  Returns:
+    The wrapped method.
+  """
+  if not callable(method):
+    raise TypeError(f"cast_boundary decorates a module method, got {method!r}")
+
+  @functools.wraps(method)
+  def wrapped(self, *args, **kwargs):
+    applied = vars(self).get(_ATTR) if isinstance(self, nnx.Module) else None
+    if applied is None:
+      return method(self, *args, **kwargs)
+    policy = applied.policy
+    args, kwargs = _cast_arrays((args, kwargs), policy.compute_dtype)
+    out = method(_with_params_in(self, policy.compute_dtype), *args, **kwargs)
+    if applied.cast_output:
+      out = _cast_arrays(out, policy.output_dtype)
+    return out
+
+  setattr(wrapped, _BOUNDARY_MARK, True)
+  return wrapped
 
 
 # --------------------------------------------------------------------------
@@ -196,49 +300,54 @@ def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
   return sorted(pairs, key=lambda pm: len(pm[0]))  # stable: keeps nnx order
 
 
-def _own_variables(module: nnx.Module) -> Iterator[nnx.Variable]:
-  """Variables held by `module` itself, not by its submodules.
-
-  nnx.List / nnx.Dict are Modules, but a list of Params inside one belongs
-  to the module that holds the list.
-  """
-  def walk(x):
-    if isinstance(x, nnx.Variable):
-      yield x
-    elif isinstance(x, (nnx.List, nnx.Dict)):
-      for v in (x.values() if isinstance(x, nnx.Dict) else x):
-        yield from walk(v)
-    elif isinstance(x, nnx.Module):
-      return
-    elif isinstance(x, (list, tuple)):
-      for v in x:
-        yield from walk(v)
-    elif isinstance(x, dict):
-      for v in x.values():
-        yield from walk(v)
-
-  for name, value in vars(module).items():
-    if not name.startswith("_pytree__"):
-      yield from walk(value)
+def _owner(path: tuple, owners: set[tuple]) -> tuple:
+  """The longest prefix of a variable's path that is an owning module."""
+  for n in range(len(path) - 1, -1, -1):
+    if path[:n] in owners:
+      return path[:n]
+  return ()
 
 
-def _own_params(module: nnx.Module) -> list[nnx.Param]:
-  seen, out = set(), []
-  for var in _own_variables(module):
-    if isinstance(var, nnx.Param) and id(var) not in seen:
-      seen.add(id(var))
-      out.append(var)
-  return out
+def _owning_paths(module: nnx.Module) -> set[tuple]:
+  return {p for p, m in nnx.iter_modules(module)
+          if not isinstance(m, _CONTAINERS) or not p}
+
+
+def _own_params(module: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
+  """(relative path, Param) of the Params `module` holds itself."""
+  owners = _owning_paths(module)
+  return [(path, var) for path, var in nnx.to_flat_state(
+      nnx.state(module, nnx.Param)) if _owner(path, owners) == ()]
+
+
+def _cast_params(model: nnx.Module, policies: dict[tuple, Any]) -> None:
+  """Stores every Param in its owner's param dtype."""
+  owners = _owning_paths(model)
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    policy = policies.get(_owner(path, owners))
+    value = var.get_value()
+    if (policy is not None and _common.is_float_array(value)
+        and value.dtype != policy.param_dtype):
+      var.set_value(value.astype(policy.param_dtype))
 
 
 # --------------------------------------------------------------------------
 # Applying and removing one module's policy.
 
 
-def _apply(module: nnx.Module, policy: Optional[Policy]) -> None:
-  _remove(module)
-  if policy is None:
-    return
+def _has_boundary(cls: type) -> bool:
+  return any(getattr(value, _BOUNDARY_MARK, False)
+             for c in cls.__mro__ for value in vars(c).values())
+
+
+def _apply(module: nnx.Module, policy: Policy, *, cast_output: bool,
+           explicit: bool) -> Optional[str]:
+  """Sets `module`'s knobs; says why it cannot follow `policy`, if so.
+
+  Reported: a module computing with its own Params without knobs or boundary
+  (they would promote the computation to the param dtype), and a module that
+  a rule names directly for an output dtype it has no means to produce.
+  """
   attrs = vars(module)
   originals = {}
 
@@ -246,58 +355,46 @@ def _apply(module: nnx.Module, policy: Optional[Policy]) -> None:
     originals[name] = attrs[name]
     setattr(module, name, value)
 
-  if _common.is_dtype_knob(attrs.get("dtype", 0)):
+  has_dtype = _common.is_dtype_knob(attrs.get("dtype", _MISSING))
+  if has_dtype:
     set_knob("dtype", policy.compute_dtype)
-  if _common.is_dtype_knob(attrs.get("param_dtype", 0)):
+  if _common.is_dtype_knob(attrs.get("param_dtype", _MISSING)):
     set_knob("param_dtype", policy.param_dtype)
-  if policy.compute_dtype in _common.HALF:
+  if (policy.compute_dtype in _common.HALF
+      and policy.output_dtype == np.dtype(np.float32)):
     for name, defaults, replacement in _MATMUL_KNOBS:
       if (name in attrs and any(attrs[name] is d for d in defaults)
           and attrs.get(name + "_cls") is None):
         set_knob(name, replacement)
-
-  for param in _own_params(module):
-    value = param.get_value()
-    if _common.is_float_array(value) and value.dtype != policy.param_dtype:
-      param.set_value(value.astype(policy.param_dtype))
-
-  setattr(module, _POLICY_ATTR, policy)
-  setattr(module, _KNOBS_ATTR, tuple(originals.items()))
-  if _has_wrappable_method(type(module)):
-    object.__setattr__(module, "__class__", _policied_class(type(module)))
+  setattr(module, _ATTR, _Applied(policy, cast_output,
+                                  tuple(originals.items())))
+  if (has_dtype or _has_boundary(type(module))
+      or isinstance(module, _CONTAINERS)):
+    return None
+  if any(_common.is_float_array(var.get_value())
+         for _, var in _own_params(module)):
+    if policy.compute_dtype != policy.param_dtype:
+      return ("computes with Params of its own but has no dtype knob: they "
+              f"stay {policy.param_dtype.name}, not "
+              f"{policy.compute_dtype.name}")
+  if (explicit and cast_output
+      and policy.output_dtype != policy.compute_dtype):
+    return (f"has no knobs to return {policy.output_dtype.name}: it returns "
+            "what its children compute")
+  return None
 
 
 def _remove(module: nnx.Module) -> None:
-  attrs = vars(module)
-  if _POLICY_ATTR not in attrs:
+  applied = vars(module).get(_ATTR)
+  if applied is None:
     return
-  for name, value in attrs[_KNOBS_ATTR]:
+  for name, value in applied.originals:
     setattr(module, name, value)
-  delattr(module, _KNOBS_ATTR)
-  delattr(module, _POLICY_ATTR)
-  base = getattr(type(module), "_jmp_amp_base", None)
-  if base is not None:
-    object.__setattr__(module, "__class__", base)
+  delattr(module, _ATTR)
 
 
 # --------------------------------------------------------------------------
-# The boundary-casting subclasses.
-
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _methods_to_wrap(cls: type) -> tuple[str, ...]:
-  return _common.methods_to_wrap(cls, _EXTRA_METHODS)
-
-
-def _defines(cls: type, method: str) -> bool:
-  return any(method in vars(c) for c in cls.__mro__ if c is not object)
-
-
-def _has_wrappable_method(cls: type) -> bool:
-  # nnx.List / nnx.Dict have no __call__: they only hold a policy, which
-  # their children inherit.
-  return any(_defines(cls, m) for m in _methods_to_wrap(cls))
+# Boundary casts.
 
 
 def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
@@ -305,77 +402,20 @@ def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
   return _common.cast_arrays(tree, dtype, (nnx.Pytree, nnx.Variable))
 
 
-@contextlib.contextmanager
-def _params_in(module: nnx.Module, dtype: np.dtype):
-  """Has the module's own Params read in `dtype` for the duration."""
-  saved = []
-  try:
-    for param in _own_params(module):
-      raw = param.get_raw_value()
-      value = param.get_value()
-      if _common.is_float_array(value) and value.dtype != dtype:
-        saved.append((param, raw))
-        # Restored below, so bypassing the trace-level check leaks nothing.
-        param.set_raw_value(value.astype(dtype), _unsafe_bypass_check=True)
-    yield
-  finally:
-    for param, raw in reversed(saved):
-      param.set_raw_value(raw, _unsafe_bypass_check=True)
+def _with_params_in(module: M, dtype: np.dtype) -> M:
+  """`module`, or a view of it whose own Params read in `dtype`.
 
-
-def _wrap_method(method):
-  @functools.wraps(method)
-  def wrapped(self, *args, **kwargs):
-    policy = vars(self).get(_POLICY_ATTR)
-    if policy is None:  # e.g. an instance built from the subclass directly
-      return method(self, *args, **kwargs)
-    args, kwargs = _cast_arrays((args, kwargs), policy.compute_dtype)
-    with _params_in(self, policy.compute_dtype):
-      out = method(self, *args, **kwargs)
-    return _cast_arrays(out, policy.output_dtype)
-  return wrapped
-
-
-def _subclass_name(base: type) -> str:
-  # A reversible, identifier-safe name, so pickle finds the class by name
-  # (see __getattr__ below) even in a process that has not created it yet.
-  return "_policied_" + f"{base.__module__}:{base.__qualname__}".encode(
-      ).hex()
-
-
-def _policied_class(base: type) -> type:
-  """The cached boundary-casting subclass of `base`."""
-  if getattr(base, "_jmp_amp_base", None) is not None:
-    return base
-  if base in _SUBCLASSES:
-    return _SUBCLASSES[base]
-  body = {name: _wrap_method(getattr(base, name))
-          for name in _methods_to_wrap(base) if _defines(base, name)}
-  body["_jmp_amp_base"] = base
-  body["__module__"] = __name__
-  body["__doc__"] = base.__doc__
-  name = _subclass_name(base)
-  kwds = {}
-  if hasattr(base, "_pytree__is_pytree"):
-    kwds["pytree"] = base._pytree__is_pytree
-  sub = types.new_class(base.__name__, (base,), kwds,
-                        lambda ns: ns.update(body))
-  sub.__qualname__ = name
-  _SUBCLASSES[base] = sub
-  setattr(sys.modules[__name__], name, sub)
-  return sub
-
-
-def __getattr__(name: str) -> Any:
-  if name.startswith("_policied_"):
-    try:
-      module_name, qualname = bytes.fromhex(
-          name[len("_policied_"):]).decode().split(":", 1)
-    except ValueError:
-      raise AttributeError(name) from None
-    __import__(module_name)
-    base = sys.modules[module_name]
-    for part in qualname.split("."):
-      base = getattr(base, part)
-    return _policied_class(base)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  The view is `nnx.merge` of the module's split state with its own Params
+  cast: a new module object whose other Variables are the original's (so
+  statistics and RNG counters update the original), whose own Params are new
+  Variables holding the cast values (gradients flow through the cast).
+  """
+  own = {path for path, var in _own_params(module)
+         if _common.is_float_array(var.get_value())
+         and var.get_value().dtype != dtype}
+  if not own:
+    return module
+  graphdef, params, rest = nnx.split(
+      module, lambda path, _: tuple(path) in own, ...)
+  params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+  return nnx.merge(graphdef, params, rest)

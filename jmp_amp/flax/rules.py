@@ -20,18 +20,29 @@ Resolution, for each module:
 1. The first rule, in mapping order, whose key matches the module wins.
 2. Otherwise the module inherits the policy of its nearest ancestor that a
    rule matched, so ``{"head": "float32"}`` covers the layers inside ``head``.
-   Except from ``""``: that pattern names the root alone and sets only the
-   model's own input/output casts, e.g. ``{"": "p=f32,c=bf16,o=f32"}`` for
-   float32 outputs (see `mixed_rules`'s ``model_output``).
+   Except from ``""``: that pattern names the root alone, for the model's own
+   boundary (see below), e.g. ``{"": "p=f32,c=bf16,o=f32"}``.
 3. Otherwise the catch-all key ``"*"`` applies, wherever it sits in the
    mapping: it is the default, the weakest rule.
 4. Otherwise the module is left as it is.
 
+What the model returns. The catch-all ``"*"`` never casts the outputs of the
+root module: the model returns what its last layers compute. So pinning the
+head to float32 gives float32 logits, with no extra rule:
+``{nnx.BatchNorm: "float32", nnx.LayerNorm: "float32", "head": "float32",
+"*": "mixed_bfloat16"}`` returns float32, and ``mixed_rules()`` (head under
+``"*"``) returns bfloat16. Only a rule that names the root (``""``, the
+model's class, or `mixed_rules`'s ``model_output``) sets the dtype of the
+model's outputs. Inside the model, each module returns its own policy's
+output dtype (see `jmp_amp.flax.nnx` for what NNX modules can express).
+
 Example:
+  >>> from jmp_amp.flax.rules import mixed_rules
   >>> rules = {"blocks/*/attn": "p=f32,c=bf16,o=f32",
   ...          nnx.LayerNorm: "float32",
   ...          "*": "mixed_bfloat16"}
-  >>> mixed_rules("float16")  # norms in float32, the rest p=f32,c=f16,o=f16
+  >>> str(mixed_rules("float16")["*"])  # norms in float32, the rest f16
+  'p=f32,c=f16,o=f16'
 """
 
 from __future__ import annotations
@@ -72,8 +83,11 @@ class PolicyRules(dict):
   stays quiet: ``mixed_rules() | {"head": "float32"}``.
 
   Example:
+    >>> from jmp_amp.flax import PolicyRules
     >>> rules = PolicyRules({nnx.Dropout: "float32", "*": "bf16"},
     ...                     optional=[nnx.Dropout])
+    >>> (rules | {"head": "float32"}).optional == {nnx.Dropout}
+    True
   """
 
   def __init__(self, rules: Union[Mapping[RuleKey, PolicyLike],
@@ -119,9 +133,10 @@ def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
   norms.
 
   Example:
-    >>> mixed_rules()
-    ... # {nnx.BatchNorm: 'float32', ..., '*': 'p=f32,c=bf16,o=bf16'}
-    >>> model = set_policies(model, mixed_rules("float16"))
+    >>> from jmp_amp.flax import mixed_rules
+    >>> rules = mixed_rules(model_output="float32")
+    >>> str(rules[""]), str(rules[nnx.LayerNorm]), str(rules["*"])
+    ('p=f32,c=bf16,o=f32', 'p=f32,c=f32,o=f32', 'p=f32,c=bf16,o=bf16')
 
   Args:
     compute: compute dtype of the catch-all rule ("bfloat16", "float16").
@@ -131,7 +146,11 @@ def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
     norms: policy of the normalisation layers.
     model_output: if given, the dtype the model as a whole returns (a rule
       ``""`` for the root, which its submodules do not inherit), e.g.
-      "float32" for float32 logits from a mixed model.
+      "float32" for float32 logits from a mixed model. linen casts any
+      root's outputs; an NNX root casts them in a method decorated with
+      `jmp_amp.flax.cast_boundary` (`set_policies` warns if it has none).
+      Pinning the head instead (``mixed_rules() | {"head": "float32"}``)
+      needs no cast at the root.
 
   Returns:
     A `PolicyRules` with the root rule (if any), then the norm rules, and
@@ -181,6 +200,7 @@ def compile_pattern(pattern: str) -> re.Pattern:
   """Compiles a path glob (see the module docstring) to an anchored regex.
 
   Example:
+    >>> from jmp_amp.flax.rules import compile_pattern
     >>> bool(compile_pattern("blocks/*/attn").match("blocks/3/attn"))
     True
 
@@ -350,6 +370,15 @@ def resolve(ruleset: RuleSet, path: str, module: Any,
   if ruleset.default is not None:
     return Resolution(ruleset.default.policy, ruleset.default, "default")
   return NO_POLICY
+
+
+def casts_output(path: str, resolution: Resolution) -> bool:
+  """Whether a module's boundary casts its outputs to the output dtype.
+
+  Every module's does, except the root's under the catch-all ``"*"``: the
+  model returns what its last layers compute (see the module docstring).
+  """
+  return not (path == ROOT_KEY and resolution.source == "default")
 
 
 def report_unmatched(ruleset: RuleSet, used: set, candidates: Sequence[tuple[

@@ -63,6 +63,7 @@ import numpy as np
 
 import jmp_amp
 from jmp_amp import Policy
+from jmp_amp._src.tree import where_tree
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
 
@@ -71,9 +72,15 @@ class TrainState(train_state.TrainState):
   """`flax.training.train_state.TrainState` with a ``batch_stats`` field.
 
   Example:
-    >>> state = TrainState.create(apply_fn=policied_apply(model, rules),
-    ...                           params=variables["params"], tx=tx,
-    ...                           batch_stats=variables["batch_stats"])
+    >>> import jmp_amp.flax
+    >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False)])
+    >>> variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> state = jmp_amp.flax.TrainState.create(
+    ...     apply_fn=jmp_amp.flax.policied_apply(model, "mixed_bfloat16"),
+    ...     params=variables["params"], tx=optax.sgd(0.1),
+    ...     batch_stats=variables["batch_stats"])
+    >>> sorted(state.batch_stats["layers_1"])
+    ['mean', 'var']
   """
   batch_stats: Any = None
 
@@ -168,12 +175,20 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
   a ``lower(model, optimizer, batch)`` method, for `jmp_amp.matmul_report`.
 
   Example:
+    >>> import jmp_amp.flax
+    >>> model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    >>> _ = jmp_amp.flax.set_policies(model, "mixed_bfloat16")
+    >>> optimizer = nnx.Optimizer(model, jmp_amp.loss_scaling(
+    ...     optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
     >>> def loss_fn(model, batch):
     ...   logits = model(batch["image"]).astype(jnp.float32)
     ...   return optax.softmax_cross_entropy_with_integer_labels(
     ...       logits, batch["label"]).mean()
-    >>> step = make_train_step(loss_fn)
+    >>> step = jmp_amp.flax.make_train_step(loss_fn)
+    >>> batch = {"image": jnp.ones((2, 3)), "label": jnp.array([0, 3])}
     >>> metrics = step(model, optimizer, batch)
+    >>> int(metrics["steps"]), model.kernel[...].dtype
+    (1, dtype('float32'))
 
   Args:
     loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or
@@ -229,7 +244,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     new_rest = _like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
     reverted_old = nnx.filter_state(rest, revert_on_skip)
-    nnx.update(model, kept, jmp_amp.where_tree(
+    nnx.update(model, kept, where_tree(
         metrics["grads_finite"], reverted_new, reverted_old))
     return metrics
 
@@ -296,12 +311,23 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
   rules)` for per-module policies.
 
   Example:
+    >>> import jmp_amp.flax
+    >>> module = nn.Sequential([nn.Dense(4), nn.BatchNorm(False)])
+    >>> variables = module.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> state = jmp_amp.flax.TrainState.create(
+    ...     apply_fn=jmp_amp.flax.policied_apply(module, "mixed_float16"),
+    ...     params=variables["params"], batch_stats=variables["batch_stats"],
+    ...     tx=jmp_amp.loss_scaling(optax.sgd(0.1),
+    ...                             jmp_amp.DynamicLossScale(2.0 ** 15)))
     >>> def loss_fn(model, batch):
-    ...   logits = model(batch["image"], train=True).astype(jnp.float32)
+    ...   logits = model(batch["image"]).astype(jnp.float32)
     ...   return optax.softmax_cross_entropy_with_integer_labels(
     ...       logits, batch["label"]).mean()
-    >>> step = make_linen_train_step(loss_fn)
+    >>> step = jmp_amp.flax.make_linen_train_step(loss_fn)
+    >>> batch = {"image": jnp.ones((2, 3)), "label": jnp.array([0, 3])}
     >>> state, metrics = step(state, batch)
+    >>> int(metrics["steps"]), state.batch_stats["layers_1"]["mean"].dtype
+    (1, dtype('float32'))
 
   Args:
     loss_fn: ``loss_fn(model, batch)``, where ``model(*args, **kwargs)``
@@ -359,7 +385,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
     new_cols = _like(dict(new_cols), cols)
     if revert_on_skip:
-      new_cols = jmp_amp.where_tree(metrics["grads_finite"], new_cols, cols)
+      new_cols = where_tree(metrics["grads_finite"], new_cols, cols)
     return state.replace(**new_cols), metrics
 
   if not jit:

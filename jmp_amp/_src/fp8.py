@@ -1,0 +1,391 @@
+"""FP8 matmuls with per-tensor scaling: the hybrid E4M3 / E5M2 recipe.
+
+A matmul in FP8 quantizes its operands to `float8_e4m3fn` (3 mantissa bits,
+largest value 448) in the forward pass and the incoming gradient to
+`float8_e5m2` (2 mantissa bits, largest value 57344) in the backward pass. Each
+tensor gets a float32 *scale* so that its largest magnitude (its *amax*) lands
+at the format's largest value: ``x ~= dequantize(quantize(x, s), s)`` with
+``quantize(x, s) = saturate(x / s).astype(fp8)`` and ``s = amax / fp8_max``.
+
+The matmul itself is written as quantize -> dequantize (to the compute dtype,
+bfloat16 by default) -> `lax.dot_general`. On CPU that simply runs with the
+rounded values, so its numerics can be tested anywhere; XLA:GPU on Hopper
+recognises the pattern and emits cuBLASLt FP8 GEMMs (`f8e4m3fn x f8e4m3fn`
+forward, `f8e5m2 x f8e4m3fn` backward), with the scales folded into the GEMM
+and float32 accumulation.
+
+Scaling recipes (`FP8Recipe`):
+
+* ``"current"`` (default): the scale of a tensor is computed from that tensor's
+  own amax, in the same step. Needs no state.
+* ``"delayed"`` (TransformerEngine's recipe): the scale comes from the largest
+  amax of the last ``history_len`` steps, and this step's amax is pushed into
+  the history (an all-zero history, on the first step, uses this step's amax).
+  The history (`FP8State`) is state the training loop carries.
+
+How the histories are updated without leaving the jitted step: the gradient
+amax is only known in the backward pass, so `fp8_dot_general` takes the
+histories as an *input* and, through a custom VJP, returns each history's new
+value as that input's "gradient". A training step that differentiates with
+respect to the histories receives the updated histories among its gradients
+and writes them back in place of an optimizer update (Flax's ``fp8_ops`` calls
+this "overwrite with gradient"); `jmp_amp.flax.fp8` does that for NNX models.
+A history used by more than one matmul in a step would receive the sum of the
+new values, so each matmul must own its state.
+
+Non-finite values: saturation clips finite values to the format's range, but
+infinities and NaNs pass through (as NaN in E4M3, which has no infinity), so
+an overflowing gradient still reaches `jmp_amp.loss_scaling`'s finite check; a
+non-finite amax is never written into a history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from jmp_amp._src import dtypes as dtypes_lib
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+FP8_DTYPES: tuple[np.dtype, ...] = (E4M3, E5M2)
+SCALINGS = ("current", "delayed")
+
+
+def fp8_max(dtype: Any) -> float:
+  """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> fp8.fp8_max(jnp.float8_e4m3fn), fp8.fp8_max(jnp.float8_e5m2)
+    (448.0, 57344.0)
+  """
+  dtype = _fp8_dtype(dtype, "dtype")
+  return float(jnp.finfo(dtype).max)
+
+
+def _fp8_dtype(dtype: Any, name: str) -> np.dtype:
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt not in FP8_DTYPES:
+    raise ValueError(f"{name} must be float8_e4m3fn or float8_e5m2, got "
+                     f"{dtype!r}")
+  return dt
+
+
+# --------------------------------------------------------------------------
+# Quantization and scales.
+
+
+def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
+  """The float32 scale that maps `amax` to the format's largest value.
+
+  ``scale = amax * 2**margin / fp8_max(dtype)``; a zero or non-finite `amax`
+  gives scale 1 (so an all-zero tensor quantizes to zeros, not NaN).
+
+  Args:
+    amax: largest magnitude of the tensor (a float scalar array).
+    dtype: the FP8 dtype.
+    margin: headroom in powers of two (TransformerEngine's ``margin``).
+
+  Returns:
+    A float32 scalar: the value one FP8 unit stands for.
+  """
+  amax = jnp.asarray(amax, jnp.float32)
+  scale = amax * np.float32(2.0 ** margin / fp8_max(dtype))
+  ok = jnp.isfinite(amax) & (amax > 0)
+  return jnp.where(ok, scale, jnp.ones_like(scale))
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """float32 ``max(|x|)`` (the amax of an empty array is 0)."""
+  x = jnp.asarray(x)
+  if x.size == 0:
+    return jnp.zeros((), jnp.float32)
+  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
+  """``x / scale`` saturated to the format's range and cast to `dtype`.
+
+  Finite values beyond ``+-fp8_max`` are clipped to it (plain casting would
+  give NaN for E4M3, infinity for E5M2); infinities and NaN pass through.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> q = fp8.quantize(jnp.array([1.0, 1000.0, -1e6]), jnp.float8_e4m3fn, 1.0)
+    >>> q.astype(jnp.float32).tolist()
+    [1.0, 448.0, -448.0]
+  """
+  dtype = _fp8_dtype(dtype, "dtype")
+  limit = fp8_max(dtype)
+  y = jnp.asarray(x, jnp.float32) / jnp.asarray(scale, jnp.float32)
+  y = jnp.where(jnp.isfinite(y), jnp.clip(y, -limit, limit), y)
+  return y.astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array,
+               dtype: Any = jnp.bfloat16) -> jax.Array:
+  """``q * scale`` in `dtype` (the inverse of `quantize`, up to rounding)."""
+  dtype = np.dtype(dtype)
+  return q.astype(dtype) * jnp.asarray(scale, jnp.float32).astype(dtype)
+
+
+def update_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
+  """Pushes `new_amax` at index 0 and drops the oldest entry.
+
+  A non-finite `new_amax` (an overflowing step) is recorded as the history's
+  largest finite entry instead, so one bad step does not poison the scales.
+  """
+  new_amax = jnp.asarray(new_amax, history.dtype)
+  fallback = jnp.max(jnp.where(jnp.isfinite(history), history, 0))
+  new_amax = jnp.where(jnp.isfinite(new_amax), new_amax, fallback)
+  return jnp.roll(history, 1).at[0].set(new_amax)
+
+
+# --------------------------------------------------------------------------
+# Recipe and state.
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Recipe:
+  """How FP8 matmuls scale their tensors (static: hashable, not a pytree).
+
+  Attributes:
+    scaling: ``"current"`` (scale from this step's amax, the default) or
+      ``"delayed"`` (scale from the largest amax of the last `history_len`
+      steps, TransformerEngine's recipe).
+    history_len: amax history length per tensor (for ``"current"`` it only
+      records the last steps for monitoring; 1 is enough).
+    margin: scales are multiplied by ``2**margin`` (headroom against growth).
+    compute_dtype: dtype the quantized operands are dequantized to and the
+      matmul returns (bfloat16: the FP8 GEMM's output dtype on GPU).
+    fwd_dtype: FP8 dtype of the forward operands.
+    bwd_dtype: FP8 dtype of the output gradient.
+  """
+  scaling: str = "current"
+  history_len: int = 1
+  margin: int = 0
+  compute_dtype: Any = jnp.bfloat16
+  fwd_dtype: Any = jnp.float8_e4m3fn
+  bwd_dtype: Any = jnp.float8_e5m2
+
+  def __post_init__(self):
+    if self.scaling not in SCALINGS:
+      raise ValueError(f"scaling must be one of {SCALINGS}, got "
+                       f"{self.scaling!r}")
+    if (isinstance(self.history_len, bool)
+        or not isinstance(self.history_len, (int, np.integer))
+        or self.history_len < 1):
+      raise ValueError(f"history_len must be an int >= 1, got "
+                       f"{self.history_len!r}")
+    if (isinstance(self.margin, bool)
+        or not isinstance(self.margin, (int, np.integer))):
+      raise ValueError(f"margin must be an int, got {self.margin!r}")
+    compute = self.compute_dtype
+    if isinstance(compute, str):
+      compute = dtypes_lib.parse_dtype(compute)
+    compute = np.dtype(compute)
+    if compute not in dtypes_lib.HALF_DTYPES + (np.dtype(np.float32),):
+      raise ValueError(f"compute_dtype must be bfloat16, float16 or float32, "
+                       f"got {self.compute_dtype!r}")
+    object.__setattr__(self, "compute_dtype", compute)
+    object.__setattr__(self, "fwd_dtype",
+                       _fp8_dtype(self.fwd_dtype, "fwd_dtype"))
+    object.__setattr__(self, "bwd_dtype",
+                       _fp8_dtype(self.bwd_dtype, "bwd_dtype"))
+
+
+def delayed_scaling(history_len: int = 16, margin: int = 0,
+                    **kwargs) -> FP8Recipe:
+  """TransformerEngine's delayed-scaling recipe with `history_len` steps.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> fp8.delayed_scaling(history_len=4).scaling
+    'delayed'
+  """
+  return FP8Recipe(scaling="delayed", history_len=history_len, margin=margin,
+                   **kwargs)
+
+
+class FP8State(NamedTuple):
+  """amax histories of one matmul: operands and output gradient.
+
+  Each is float32 ``[history_len]``, newest first.
+  """
+  lhs: jax.Array
+  rhs: jax.Array
+  grad: jax.Array
+
+
+def init_state(recipe: FP8Recipe = FP8Recipe()) -> FP8State:
+  """All-zero histories (the first delayed-scaling step scales currently)."""
+  # Three distinct buffers, so that a step can donate all of them.
+  return FP8State(*(jnp.zeros((recipe.history_len,), jnp.float32)
+                    for _ in FP8State._fields))
+
+
+def scale_of(x: jax.Array, history: jax.Array, dtype: Any,
+             recipe: FP8Recipe) -> tuple[jax.Array, jax.Array]:
+  """(scale used for `x`, the updated history) under `recipe`."""
+  current = amax(x)
+  if recipe.scaling == "current":
+    basis = current
+  else:
+    # An empty (all-zero) history, on the first step, falls back to the
+    # current amax rather than scale 1.
+    past = jnp.max(history)
+    basis = jnp.where(past > 0, past, current)
+  return (compute_scale(basis, dtype, recipe.margin),
+          update_history(history, current))
+
+
+# --------------------------------------------------------------------------
+# Quantize-dequantize with the history update as the history's "gradient".
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def qdq_operand(recipe: FP8Recipe, x: jax.Array,
+                history: jax.Array) -> jax.Array:
+  """Forward operand `x` rounded through ``recipe.fwd_dtype``.
+
+  Returns ``dequantize(quantize(x))`` in ``recipe.compute_dtype``. The
+  gradient with respect to `x` passes straight through; the "gradient" with
+  respect to `history` is the updated history.
+  """
+  return _qdq_operand_fwd(recipe, x, history)[0]
+
+
+def _qdq_operand_fwd(recipe, x, history):
+  scale, new_history = scale_of(x, history, recipe.fwd_dtype, recipe)
+  q = quantize(x, recipe.fwd_dtype, scale)
+  # A zero-size array carries x's dtype (residuals must be arrays).
+  return (dequantize(q, scale, recipe.compute_dtype),
+          (new_history, jnp.zeros((0,), x.dtype)))
+
+
+def _qdq_operand_bwd(recipe, res, g):
+  del recipe
+  new_history, like_x = res
+  return g.astype(like_x.dtype), new_history
+
+
+qdq_operand.defvjp(_qdq_operand_fwd, _qdq_operand_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def qdq_output_grad(recipe: FP8Recipe, y: jax.Array,
+                    history: jax.Array) -> jax.Array:
+  """Identity on `y`; rounds its cotangent through ``recipe.bwd_dtype``.
+
+  The "gradient" with respect to `history` is the updated gradient history.
+  """
+  del recipe, history
+  return y
+
+
+def _qdq_output_grad_fwd(recipe, y, history):
+  del recipe
+  return y, history
+
+
+def _qdq_output_grad_bwd(recipe, history, g):
+  scale, new_history = scale_of(g, history, recipe.bwd_dtype, recipe)
+  q = quantize(g, recipe.bwd_dtype, scale)
+  return dequantize(q, scale, g.dtype), new_history
+
+
+qdq_output_grad.defvjp(_qdq_output_grad_fwd, _qdq_output_grad_bwd)
+
+
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                    precision=None, preferred_element_type=None, *,
+                    state: Optional[FP8State] = None,
+                    recipe: FP8Recipe = FP8Recipe(),
+                    out_sharding=None) -> jax.Array:
+  """`lax.dot_general` with FP8 operands forward and FP8 gradients backward.
+
+  Both operands are rounded through ``recipe.fwd_dtype`` (E4M3) with
+  per-tensor scales, multiplied in ``recipe.compute_dtype`` (bfloat16) with
+  float32 accumulation, and the output's cotangent is rounded through
+  ``recipe.bwd_dtype`` (E5M2) before the backward matmuls. The result is
+  ``preferred_element_type`` if given, else the compute dtype.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+    >>> y = fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
+    >>> y.dtype, y.tolist()[0]
+    (dtype(bfloat16), [1.5, 1.5, 1.5, 1.5])
+
+  Args:
+    lhs, rhs, dimension_numbers, precision, preferred_element_type,
+      out_sharding: as for `lax.dot_general`.
+    state: the amax histories (`FP8State`); its updated value arrives as its
+      gradient. Required for delayed scaling; optional for current scaling.
+    recipe: the `FP8Recipe`.
+
+  Returns:
+    The matmul result.
+
+  Raises:
+    ValueError: delayed scaling without a state, or a state whose histories
+      do not have ``recipe.history_len`` entries.
+    TypeError: non-floating operands.
+  """
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"fp8_dot_general needs floating operands, got {name} "
+                      f"of dtype {x.dtype}")
+  if state is None:
+    if recipe.scaling == "delayed":
+      raise ValueError("fp8_dot_general with delayed scaling needs state= "
+                       "(an FP8State carried between steps); got None")
+    state = init_state(recipe)
+  for name, h in zip(FP8State._fields, state):
+    if jnp.shape(h) != (recipe.history_len,):
+      raise ValueError(f"state.{name} must have shape "
+                       f"({recipe.history_len},) for history_len="
+                       f"{recipe.history_len}, got {jnp.shape(h)}")
+  lhs_q = qdq_operand(recipe, lhs, state.lhs)
+  rhs_q = qdq_operand(recipe, rhs, state.rhs)
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  y = lax.dot_general(lhs_q, rhs_q, dimension_numbers, precision=precision,
+                      **kwargs)
+  y = qdq_output_grad(recipe, y, state.grad)
+  if preferred_element_type is not None:
+    y = y.astype(preferred_element_type)
+  return y
+
+
+def autocast_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                         precision=None, preferred_element_type=None,
+                         **kwargs) -> jax.Array:
+  """Stateless FP8 `dot_general` (current scaling) for op-level autocast.
+
+  Takes the parameters of a ``dot_general`` equation as an autocast pass sees
+  them (``fp8.autocast_dot_general(lhs, rhs, **eqn.params)``) and returns the
+  recipe's compute dtype (bfloat16), as autocast returns half matmuls: the
+  traced ``preferred_element_type`` (float32 for float32 operands) is
+  ignored. ``out_sharding`` is forwarded; other parameters are ignored.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+    >>> eqn = jax.make_jaxpr(lambda a, b: a @ b)(x, w).eqns[0]
+    >>> fp8.autocast_dot_general(x, w, **eqn.params).dtype
+    dtype(bfloat16)
+  """
+  del preferred_element_type
+  return fp8_dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                         out_sharding=kwargs.get("out_sharding"))

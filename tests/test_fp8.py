@@ -1,0 +1,509 @@
+"""FP8 matmuls: quantization numerics, scaling rules, NNX application, resume."""
+
+import copy
+import dataclasses
+import functools
+
+from flax import nnx
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_amp
+from jmp_amp._src import fp8
+from jmp_amp.flax import fp8 as flax_fp8
+import models
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+MATMUL = (((1,), (0,)), ((), ()))
+F32_RECIPE = fp8.FP8Recipe(compute_dtype=jnp.float32)
+# Half the spacing of the largest binade: relative rounding error bound of a
+# value in the normal range (3 mantissa bits for E4M3, 2 for E5M2), and the
+# absolute bound in units of the scale in the subnormal range.
+REL_ERR = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+SUBNORMAL_HALF_STEP = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+
+
+# --------------------------------------------------------------------------
+# Quantization numerics.
+
+
+def test_format_maxima():
+  assert fp8.fp8_max(E4M3) == 448.0
+  assert fp8.fp8_max(E5M2) == 57344.0
+
+
+@pytest.mark.parametrize("dtype,limit", [(E4M3, 448.0), (E5M2, 57344.0)])
+def test_quantize_saturates_at_format_max(dtype, limit):
+  x = jnp.array([limit * 1.01, 1e30, -limit * 4, -1e30, limit])
+  q = fp8.quantize(x, dtype, 1.0)
+  assert q.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(q, np.float32),
+                                [limit, limit, -limit, -limit, limit])
+  # A plain cast would give NaN (E4M3) or infinity (E5M2).
+  assert not np.isfinite(np.asarray(x[:2].astype(dtype), np.float32)).all()
+
+
+def test_quantize_keeps_nonfinite_so_overflow_is_detected():
+  x = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 1.0])
+  q5 = np.asarray(fp8.quantize(x, E5M2, 1.0), np.float32)
+  np.testing.assert_array_equal(q5[:2], [np.inf, -np.inf])
+  assert np.isnan(q5[2]) and q5[3] == 1.0
+  q4 = np.asarray(fp8.quantize(x, E4M3, 1.0), np.float32)
+  assert np.isnan(q4[:3]).all(), q4  # E4M3 has no infinity
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_scale_maps_amax_to_format_max(dtype):
+  scale = fp8.compute_scale(jnp.float32(3.5), dtype)
+  np.testing.assert_allclose(scale, 3.5 / fp8.fp8_max(dtype), rtol=1e-7)
+  with_margin = fp8.compute_scale(jnp.float32(3.5), dtype, margin=2)
+  np.testing.assert_allclose(with_margin, 4 * scale, rtol=1e-7)
+  for bad in (0.0, np.inf, np.nan):
+    assert float(fp8.compute_scale(jnp.float32(bad), dtype)) == 1.0, bad
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_all_zero_tensor_gives_zeros_and_no_nan(dtype):
+  zeros = jnp.zeros((4, 3))
+  scale, history = fp8.scale_of(zeros, jnp.zeros((2,)), dtype,
+                                fp8.FP8Recipe())
+  assert float(scale) == 1.0
+  np.testing.assert_array_equal(history, [0.0, 0.0])
+  q = fp8.quantize(zeros, dtype, scale)
+  np.testing.assert_array_equal(fp8.dequantize(q, scale, jnp.float32), zeros)
+
+  def loss(a, b):
+    return fp8.fp8_dot_general(a, b, MATMUL).astype(jnp.float32).sum()
+  out = fp8.fp8_dot_general(zeros, jnp.zeros((3, 2)), MATMUL)
+  grads = jax.grad(loss, argnums=(0, 1))(zeros, jnp.zeros((3, 2)))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  for g in grads:
+    np.testing.assert_array_equal(g, 0.0)
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(
+    log_amax=st.floats(-20.0, 20.0),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([E4M3, E5M2]))
+def test_current_scaling_error_bound(log_amax, seed, dtype):
+  """|qdq(x) - x| <= max(rel * |x|, half subnormal step * scale)."""
+  x = np.random.default_rng(seed).standard_normal(256).astype(np.float32)
+  x *= np.float32(2.0**log_amax) / np.abs(x).max()
+  scale, _ = fp8.scale_of(jnp.asarray(x), jnp.zeros((1,)), dtype,
+                          fp8.FP8Recipe())
+  back = np.asarray(fp8.dequantize(fp8.quantize(x, dtype, scale), scale,
+                                   jnp.float32))
+  bound = np.maximum(REL_ERR[dtype] * np.abs(x),
+                     SUBNORMAL_HALF_STEP[dtype] * float(scale))
+  err = np.abs(back - x)
+  assert (err <= bound * (1 + 1e-6)).all(), (err - bound).max()
+  # The amax itself is represented (it lands on the format's max).
+  i = np.abs(x).argmax()
+  np.testing.assert_allclose(back[i], x[i], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Scaling rules.
+
+
+def test_update_history_rolls_and_ignores_nonfinite():
+  h = jnp.array([3.0, 2.0, 1.0])
+  np.testing.assert_array_equal(fp8.update_history(h, 5.0), [5.0, 3.0, 2.0])
+  np.testing.assert_array_equal(fp8.update_history(h, jnp.inf),
+                                [3.0, 3.0, 2.0])
+  np.testing.assert_array_equal(fp8.update_history(h, jnp.nan),
+                                [3.0, 3.0, 2.0])
+
+
+def test_current_scaling_uses_this_steps_amax():
+  x = jnp.array([100.0, -50.0, 1.0])
+  scale, history = fp8.scale_of(x, jnp.array([7.0]), E4M3, fp8.FP8Recipe())
+  np.testing.assert_allclose(scale, 100.0 / 448.0, rtol=1e-7)
+  np.testing.assert_array_equal(history, [100.0])
+
+
+def test_delayed_scaling_uses_history_max_and_saturates_new_outliers():
+  recipe = fp8.delayed_scaling(history_len=3)
+  history = jnp.array([2.0, 4.0, 1.0])
+  x = jnp.array([100.0, -3.0, 1.0])
+  scale, new_history = fp8.scale_of(x, history, E4M3, recipe)
+  np.testing.assert_allclose(scale, 4.0 / 448.0, rtol=1e-7)
+  np.testing.assert_array_equal(new_history, [100.0, 2.0, 4.0])
+  back = fp8.qdq_operand(
+      dataclasses.replace(recipe, compute_dtype=jnp.float32), x, history)
+  np.testing.assert_allclose(back, [4.0, -3.0, 1.0], rtol=2.0**-4)
+  # The first step (empty history) uses the current amax, not scale 1.
+  scale, new_history = fp8.scale_of(x, jnp.zeros((3,)), E4M3, recipe)
+  np.testing.assert_allclose(scale, 100.0 / 448.0, rtol=1e-7)
+  np.testing.assert_array_equal(new_history, [100.0, 0.0, 0.0])
+
+
+def test_histories_arrive_as_gradients():
+  """The "gradient" of each history is its updated value (current and delayed)."""
+  x = jnp.array([[1.0, -2.0], [0.5, 0.25]])
+  w = jnp.array([[3.0], [-1.0]])
+  for recipe in (fp8.FP8Recipe(history_len=2),
+                 fp8.delayed_scaling(history_len=2)):
+    state = fp8.FP8State(jnp.array([9.0, 8.0]), jnp.array([7.0, 6.0]),
+                         jnp.array([5.0, 4.0]))
+
+    def loss(state):
+      y = fp8.fp8_dot_general(x, w, MATMUL, state=state, recipe=recipe)
+      return 3.0 * y.astype(jnp.float32).sum()
+    new = jax.grad(loss)(state)
+    np.testing.assert_array_equal(new.lhs, [2.0, 9.0])
+    np.testing.assert_array_equal(new.rhs, [3.0, 7.0])
+    np.testing.assert_array_equal(new.grad, [3.0, 5.0])  # amax of d(3 sum y)
+
+
+def test_fp8_dot_general_matches_hand_rounded_reference():
+  """Forward: E4M3 operands; backward: E5M2 output gradient, straight-through."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((16, 4)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+
+  def rounded(a, dtype):
+    s = fp8.compute_scale(fp8.amax(a), dtype)
+    return fp8.dequantize(fp8.quantize(a, dtype, s), s, jnp.float32)
+
+  y, vjp = jax.vjp(
+      lambda a, b: fp8.fp8_dot_general(a, b, MATMUL, recipe=F32_RECIPE), x, w)
+  xq, wq, gq = rounded(x, E4M3), rounded(w, E4M3), rounded(g, E5M2)
+  np.testing.assert_allclose(y, xq @ wq, rtol=1e-5, atol=1e-5)
+  dx, dw = vjp(g)
+  np.testing.assert_allclose(dx, gq @ wq.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, xq.T @ gq, rtol=1e-5, atol=1e-5)
+  # And close to float32: relative Frobenius error of a few percent.
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  assert rel(y, x @ w) < 0.05
+  assert rel(dx, g @ w.T) < 0.1 and rel(dw, x.T @ g) < 0.1
+
+
+def test_default_output_is_bf16_and_backward_is_rounded_through_e5m2():
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
+  y = fp8.fp8_dot_general(x, w, MATMUL)
+  assert y.dtype == jnp.bfloat16
+  assert fp8.fp8_dot_general(
+      x, w, MATMUL, preferred_element_type=jnp.float32).dtype == jnp.float32
+  jaxpr = str(jax.make_jaxpr(jax.grad(
+      lambda a, b: fp8.fp8_dot_general(a, b, MATMUL).astype(
+          jnp.float32).sum(), argnums=(0, 1)))(x, w))
+  assert "f8_e4m3fn" in jaxpr and "f8_e5m2" in jaxpr
+
+
+def test_overflowing_gradient_stays_nonfinite_and_spares_history():
+  """An inf cotangent reaches loss_scaling's finite check; no inf amax kept."""
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
+  state = fp8.FP8State(*(jnp.array([1.0, 2.0]),) * 3)
+  recipe = fp8.delayed_scaling(history_len=2)
+  _, vjp = jax.vjp(lambda a, b, s: fp8.fp8_dot_general(
+      a, b, MATMUL, state=s, recipe=recipe), x, w, state)
+  g = jnp.array([[1.0, jnp.inf], [1.0, 1.0]], jnp.bfloat16)
+  dx, dw, new_state = vjp(g)
+  assert not bool(jmp_amp.all_finite((dx, dw)))
+  np.testing.assert_array_equal(new_state.grad, [2.0, 1.0])
+
+
+def test_autocast_entry_point_takes_equation_params():
+  x, w = jnp.ones((4, 8)), jnp.full((8, 3), 0.5)
+  eqn = jax.make_jaxpr(lambda a, b: a @ b)(x, w).eqns[0]
+  assert eqn.primitive.name == "dot_general"
+  y = fp8.autocast_dot_general(x, w, **eqn.params)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), 4.0)
+  dx = jax.grad(lambda a: fp8.autocast_dot_general(a, w, **eqn.params)
+                .astype(jnp.float32).sum())(x)
+  assert dx.dtype == jnp.float32
+  np.testing.assert_array_equal(dx, 1.5)
+
+
+def test_bad_arguments_raise_clear_errors():
+  with pytest.raises(ValueError, match="delayed scaling needs state="):
+    fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
+                        recipe=fp8.delayed_scaling())
+  with pytest.raises(ValueError, match=r"state.lhs must have shape \(4,\)"):
+    fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
+                        state=fp8.init_state(fp8.FP8Recipe()),
+                        recipe=fp8.delayed_scaling(history_len=4))
+  with pytest.raises(TypeError, match="floating operands.*int32"):
+    fp8.fp8_dot_general(jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2)), MATMUL)
+  with pytest.raises(ValueError, match="scaling must be one of"):
+    fp8.FP8Recipe(scaling="just-in-time")
+  with pytest.raises(ValueError, match="history_len must be an int >= 1, got 0"):
+    fp8.FP8Recipe(history_len=0)
+  with pytest.raises(ValueError, match="fwd_dtype must be float8_e4m3fn or "
+                     "float8_e5m2, got <class 'jax.numpy.float16'>"):
+    fp8.FP8Recipe(fwd_dtype=jnp.float16)
+  with pytest.raises(ValueError, match="compute_dtype must be"):
+    fp8.FP8Recipe(compute_dtype=jnp.int8)
+
+
+# --------------------------------------------------------------------------
+# Applying FP8 to NNX models.
+
+
+def _mlp(num_layers=4, **kw):
+  return models.MLP(8, 3, num_layers=num_layers, width=16, rngs=nnx.Rngs(0),
+                    **kw)
+
+
+def _gpt(**kw):
+  """An abstract GPT (ShapeDtypeStruct variables): module structure only."""
+  return nnx.eval_shape(lambda: models.GPT(
+      vocab_size=32, d_model=16, num_heads=2, num_layers=2, max_len=8,
+      rngs=nnx.Rngs(0), **kw))
+
+
+def test_default_excludes_first_and_last_layers():
+  assert sorted(flax_fp8.fp8_modules(flax_fp8.set_fp8(_mlp()))) == [
+      "layers/1", "layers/2"]
+  # Path order: blocks/0/attn/proj sorts first, blocks/1/mlp/out last;
+  # embeddings, norms and the tied head are never FP8.
+  assert sorted(flax_fp8.fp8_modules(flax_fp8.set_fp8(_gpt()))) == [
+      "blocks/0/attn/qkv", "blocks/0/mlp/fc", "blocks/0/mlp/out",
+      "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc"]
+  # Call order (one abstract call): blocks/0/attn/qkv is the first matmul.
+  tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+  gpt = flax_fp8.set_fp8(_gpt(), example_args=(tokens,))
+  assert sorted(flax_fp8.fp8_modules(gpt)) == [
+      "blocks/0/attn/proj", "blocks/0/mlp/fc", "blocks/0/mlp/out",
+      "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc"]
+  # The probe left the knobs as they were: a second call gives the same.
+  flax_fp8.set_fp8(gpt, example_args=(tokens,))
+  assert len(flax_fp8.fp8_modules(gpt)) == 6
+  assert gpt.blocks[0].attn.qkv.dot_general is jax.lax.dot_general
+  mlp = _mlp(num_layers=12)  # layers/10 sorts after layers/9
+  assert sorted(flax_fp8.fp8_modules(flax_fp8.set_fp8(mlp)), key=len) == [
+      f"layers/{i}" for i in range(1, 11)]
+  untied = flax_fp8.set_fp8(_gpt(tie_embeddings=False))
+  assert "head" not in flax_fp8.fp8_modules(untied)
+  assert "blocks/1/mlp/out" in flax_fp8.fp8_modules(untied)
+  everything = flax_fp8.set_fp8(_gpt(), keep_first_last=False)
+  assert len(flax_fp8.fp8_modules(everything)) == 8
+
+
+def test_include_exclude_and_reapply():
+  model = _gpt()
+  flax_fp8.set_fp8(model, include=["blocks/*/mlp/*"], exclude=["*/out"])
+  assert sorted(flax_fp8.fp8_modules(model)) == [
+      "blocks/0/mlp/fc", "blocks/1/mlp/fc"]
+  # Applying again replaces the previous set-up.
+  flax_fp8.set_fp8(model, include=[nnx.Linear], exclude=["blocks/0/*"])
+  assert sorted(flax_fp8.fp8_modules(model)) == [
+      "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc",
+      "blocks/1/mlp/out"]
+  assert model.blocks[0].mlp.fc.dot_general is jax.lax.dot_general
+  assert model.blocks[0].mlp.fc.dtype is None
+
+
+def test_fp8_module_knobs_state_and_clear():
+  model = flax_fp8.set_fp8(_mlp(), fp8.delayed_scaling(history_len=5))
+  layer = model.layers[1]
+  assert isinstance(layer.dot_general, flax_fp8.FP8DotGeneral)
+  assert layer.dtype == jnp.bfloat16
+  assert layer.kernel[...].dtype == jnp.float32  # master weights
+  meta = nnx.state(model, flax_fp8.FP8Meta)
+  assert jax.tree_util.tree_map(jnp.shape, nnx.to_pure_dict(meta)) == {
+      "layers": {i: {"dot_general": {f"{t}_amax_history": (5,)
+                                     for t in ("lhs", "rhs", "grad")}}
+                 for i in (1, 2)}}
+  assert model(jnp.ones((2, 8))).dtype == jnp.float32  # last layer not FP8
+  # split/merge, clone and deepcopy keep the FP8 set-up.
+  for copied in (nnx.merge(*nnx.split(model)), nnx.clone(model),
+                 copy.deepcopy(model)):
+    assert sorted(flax_fp8.fp8_modules(copied)) == ["layers/1", "layers/2"]
+  flax_fp8.clear_fp8(model)
+  assert flax_fp8.fp8_modules(model) == {}
+  assert layer.dot_general is jax.lax.dot_general and layer.dtype is None
+  # Back to the plain model: same graph definition and state tree.
+  assert nnx.graphdef(model) == nnx.graphdef(_mlp())
+  assert jax.tree_util.tree_structure(nnx.state(model)) == (
+      jax.tree_util.tree_structure(nnx.state(_mlp())))
+
+
+@pytest.mark.parametrize("module,name", [
+    (nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)), "Conv"),
+    (nnx.Einsum("ab,bc->ac", (3, 4), rngs=nnx.Rngs(0)), "Einsum"),
+    (nnx.LayerNorm(4, rngs=nnx.Rngs(0)), "LayerNorm"),
+])
+def test_unsupported_module_raises(module, name):
+  with pytest.raises(ValueError, match=rf"FP8 cannot handle module '' of "
+                     rf"type {name}: set_fp8 converts modules with a "
+                     rf"'dot_general' knob"):
+    flax_fp8.set_fp8(module, include=["*"])
+
+
+def test_bad_selectors_raise():
+  with pytest.raises(ValueError, match="include selector 'encoder/\\*' "
+                     "matches no module"):
+    flax_fp8.set_fp8(_mlp(), include=["encoder/*"])
+  with pytest.raises(TypeError, match="include entries must be path patterns"):
+    flax_fp8.set_fp8(_mlp(), include=[3])
+  with pytest.raises(TypeError, match="recipe must be an FP8Recipe"):
+    flax_fp8.set_fp8(_mlp(), "sometimes")
+  with pytest.raises(TypeError, match="set_fp8 expects an nnx.Module"):
+    flax_fp8.set_fp8({"w": jnp.ones(2)})
+  gpt = _gpt()
+  with pytest.raises(ValueError, match="FP8 cannot handle module 'embed' of "
+                     "type Embed"):
+    flax_fp8.set_fp8(gpt, include=["embed", "blocks/0/mlp/fc"])
+
+
+# --------------------------------------------------------------------------
+# Training: state updates, resume, accuracy.
+
+
+def _make_step():
+  @nnx.jit
+  def step(model, opt, x, y):
+    grad_fn = flax_fp8.fp8_value_and_grad(
+        lambda m: models.mse_loss(m(x), y))
+    loss, grads = grad_fn(model)
+    opt.update(model, grads)
+    return loss
+  return step
+
+
+def _regression(n=6):
+  rng = np.random.default_rng(0)
+  return [(rng.standard_normal((16, 8)).astype(np.float32),
+           rng.standard_normal((16, 3)).astype(np.float32)) for _ in range(n)]
+
+
+def test_delayed_scaling_state_updates_in_jitted_step():
+  model = flax_fp8.set_fp8(_mlp(), fp8.delayed_scaling(history_len=3),
+                           keep_first_last=False)
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  step = _make_step()
+  data = _regression(4)
+  for x, y in data:
+    loss = step(model, opt, x, y)
+  assert np.isfinite(float(loss))
+  h = flax_fp8.fp8_histories(model)["layers/0"]
+  # The first layer's input history holds the last three batches' amaxes.
+  np.testing.assert_array_equal(
+      h.lhs, [np.abs(x.astype(jnp.bfloat16)).max() for x, _ in data[::-1][:3]])
+  assert (np.asarray(h.grad) > 0).all() and (np.asarray(h.rhs) > 0).all()
+  # The optimizer's state holds no FP8 histories.
+  assert not nnx.state(opt, flax_fp8.FP8Meta)
+
+
+def test_checkpoint_resume_is_bitwise(tmp_path):
+  checkpoint = pytest.importorskip("jmp_amp.checkpoint")
+  recipe = fp8.delayed_scaling(history_len=4)
+
+  def fresh():
+    model = flax_fp8.set_fp8(_mlp(), recipe, keep_first_last=False)
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  step = _make_step()
+  data = _regression(6)
+  model, opt = fresh()
+  for x, y in data[:3]:
+    step(model, opt, x, y)
+  checkpoint.save(tmp_path / "run", {"model": model, "opt": opt}, step=3)
+  for x, y in data[3:]:
+    step(model, opt, x, y)
+
+  model2, opt2 = fresh()
+  restored = checkpoint.restore(tmp_path / "run",
+                                target={"model": model2, "opt": opt2})
+  model2, opt2 = restored["model"], restored["opt"]
+  for x, y in data[3:]:
+    step(model2, opt2, x, y)
+  jax.tree_util.tree_map(np.testing.assert_array_equal,
+                         nnx.to_pure_dict(nnx.state(model)),
+                         nnx.to_pure_dict(nnx.state(model2)))
+  assert float(jnp.max(flax_fp8.fp8_histories(model2)["layers/3"].grad)) > 0
+
+
+sklearn_datasets = pytest.importorskip("sklearn.datasets")
+
+
+@functools.lru_cache(maxsize=None)
+def _digits():
+  digits = sklearn_datasets.load_digits()
+  x = (digits.data / 16.0).astype(np.float32)
+  y = digits.target.astype(np.int32)
+  order = np.random.default_rng(0).permutation(len(x))
+  x, y = x[order], y[order]
+  split = int(0.8 * len(x))
+  return (x[:split], y[:split]), (x[split:], y[split:])
+
+
+def _train_scan(model, loss_fn, batches, lr):
+  """Adam on `batches` (stacked), all steps in one jitted `lax.scan`."""
+  opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, opt))
+
+  # Donated: the FP8 histories must be distinct buffers.
+  @functools.partial(jax.jit, donate_argnums=0)
+  def train(state, batches):
+    def body(state, batch):
+      model, opt = nnx.merge(graphdef, state)
+      loss, grads = flax_fp8.fp8_value_and_grad(
+          lambda m: loss_fn(m, batch))(model)
+      opt.update(model, grads)
+      return nnx.state((model, opt)), loss
+    return jax.lax.scan(body, state, batches)
+
+  state, losses = train(state, batches)
+  nnx.update((model, opt), state)
+  return np.asarray(losses)
+
+
+def _train_digits(setup, steps=300):
+  (x, y), (xt, yt) = _digits()
+  model = setup(models.MLP(64, 10, num_layers=3, width=128,
+                           rngs=nnx.Rngs(0)))
+
+  def loss_fn(m, batch):
+    logits = m(batch[0]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch[1]).mean()
+
+  idx = np.random.default_rng(1).integers(0, len(x), (steps, 128))
+  _train_scan(model, loss_fn, (x[idx], y[idx]), 3e-3)
+  logits = model(xt).astype(jnp.float32)
+  return float((logits.argmax(-1) == yt).mean()), model
+
+
+def test_fp8_digits_within_two_points_of_float32():
+  acc32, _ = _train_digits(lambda m: m)
+  all_fp8 = lambda m: flax_fp8.set_fp8(m, keep_first_last=False)
+  acc_cur, model = _train_digits(all_fp8)
+  acc_del, _ = _train_digits(lambda m: flax_fp8.set_fp8(
+      m, fp8.delayed_scaling(history_len=16), keep_first_last=False))
+  assert acc32 > 0.95, acc32
+  assert abs(acc_cur - acc32) <= 0.02, (acc32, acc_cur)
+  assert abs(acc_del - acc32) <= 0.02, (acc32, acc_del)
+  assert len(flax_fp8.fp8_modules(model)) == 3
+  assert bool(jmp_amp.all_finite(nnx.state(model, nnx.Param)))
+
+
+def _train_gpt(setup, steps=200):
+  model = setup(models.GPT(vocab_size=64, d_model=32, num_heads=2,
+                           num_layers=2, max_len=32, dtype=jnp.bfloat16,
+                           rngs=nnx.Rngs(0)))
+  tokens = np.stack([models.data.token_batch(16, seq_len=32, vocab=64,
+                                             seed=i) for i in range(steps)])
+  losses = _train_scan(model, lambda m, t: models.lm_loss(m(t), t), tokens,
+                       3e-3)
+  return np.mean(losses[-10:]), model
+
+
+def test_fp8_gpt_final_loss_within_3_percent_of_bf16():
+  # bf16 model vs the same model with the default FP8 rules (6 of its 8
+  # Linear layers in FP8), same data and steps.
+  loss_bf16, _ = _train_gpt(lambda m: m)
+  loss_fp8, model = _train_gpt(flax_fp8.set_fp8)
+  assert len(flax_fp8.fp8_modules(model)) == 6
+  assert loss_bf16 < 0.1 * np.log(64), loss_bf16  # it learned the task
+  assert abs(loss_fp8 - loss_bf16) <= 0.03 * loss_bf16, (loss_bf16, loss_fp8)

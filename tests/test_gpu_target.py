@@ -1,0 +1,163 @@
+"""Tests for the H100 compile-only report (`jmp_amp.gpu_report`).
+
+The fixture tests read real XLA:GPU output committed under tests/fixtures/
+and always run. The compile tests need the CUDA plugin (the ``gpu-audit``
+extra) with ``JAX_PLATFORMS=cpu`` on a machine without a GPU, and are
+skipped otherwise.
+"""
+
+import importlib.util
+import json
+import os
+
+import jax
+import pytest
+
+import jmp_amp
+from jmp_amp._src import gpu_target
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+NAMES = ("bf16_mlp_grad", "fp16_dots", "bf16_conv_grad", "f32_scan")
+LABEL = "compiled for H100, no GPU: compiler figures, not timings"
+HAS_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+def fixture_text(name):
+  with open(os.path.join(FIXTURES, f"h100_{name}.hlo.txt")) as f:
+    return f.read()
+
+
+def recorded(name):
+  with open(os.path.join(FIXTURES, "h100_fixtures.json")) as f:
+    return json.load(f)[name]
+
+
+def memory_of(summary):
+  return {k: summary[k] for k in ("temp_bytes", "argument_bytes",
+                                  "output_bytes", "alias_bytes")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_report_matches_what_was_recorded_at_compile_time(name):
+  want = recorded(name)
+  report = gpu_target.report_from_hlo(fixture_text(name), memory_of(want))
+  got = report.summary()
+  # The fixtures were made with jax 0.10.2; the report names the JAX at hand.
+  assert got.pop("jax_version") == jax.__version__
+  assert want.pop("jax_version") == "0.10.2"
+  assert got == want, (got, want)
+  assert got["label"] == LABEL and report.label == LABEL
+
+
+def test_kernels_and_bytes_of_two_gemms_by_hand():
+  # a (16, 32) f16 and b (32, 64) f16 feed two cuBLAS calls, one writing
+  # f16 (16, 64), one f32 (16, 64); nothing else launches.
+  report = gpu_target.report_from_hlo(fixture_text("fp16_dots"))
+  assert report.kernels == 2
+  assert report.kernels_by_kind == {"__cublas$lt$matmul": 2}
+  a, b = 16 * 32 * 2, 32 * 64 * 2
+  assert report.bytes_estimate == (a + b + 16 * 64 * 2) + (a + b + 16 * 64 * 4)
+  assert report.memory == dict.fromkeys(
+      ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes"))
+  assert report.gemms_by_dtype() == {"f16 x f16 -> f16": 1,
+                                     "f16 x f16 -> f32": 1}
+
+
+def test_scan_kernels_count_the_loop_body_once_and_not_the_loop():
+  report = gpu_target.report_from_hlo(fixture_text("f32_scan"))
+  # Entry: 2 copies; body: slice fusion, counter fusion, GEMM, tanh; the
+  # condition's compare fusion. The while itself launches nothing.
+  assert report.kernels_by_kind == {"kLoop": 3, "copy": 2, "kCustom": 1,
+                                    "__cublas$lt$matmul": 1}
+  assert "while" not in report.kernels_by_kind
+
+
+def test_str_carries_the_label_and_figures():
+  text = str(gpu_target.report_from_hlo(
+      fixture_text("bf16_conv_grad"), memory_of(recorded("bf16_conv_grad"))))
+  assert text.splitlines()[0] == f"GpuReport [{LABEL}; jax {jax.__version__}]"
+  assert "GEMMs/convs: 3 (3 x bf16 x bf16 -> bf16)" in text
+  assert "kernels: 6 (" in text and "__cudnn$convForward: 1" in text
+  assert "temp 17.8 KiB" in text
+
+
+def test_bad_target_and_gemm_names():
+  with pytest.raises(ValueError, match=r"target must be one of 'h100'; got 'a100'"):
+    jmp_amp.gpu_report(lambda x: x, 1.0, target="a100")
+  with pytest.raises(ValueError, match=r"gemm must be one of 'cublas', 'xla'; got 'x'"):
+    gpu_target.compile_for_gpu(lambda x: x, 1.0, gemm="x")
+
+
+@pytest.mark.skipif(HAS_PLUGIN, reason="the CUDA plugin is installed")
+def test_missing_plugin_names_the_extra():
+  with pytest.raises(ImportError, match=r'pip install "jmp-amp\[gpu-audit\]"'):
+    jmp_amp.gpu_report(lambda x: x @ x, jax.ShapeDtypeStruct((4, 4), "float32"))
+
+
+def _target_or_skip():
+  if not HAS_PLUGIN:
+    pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")
+  try:
+    gpu_target.target_device("h100")
+  except RuntimeError as e:
+    pytest.skip(f"CUDA plugin gave no compile-only target: {e}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiling_the_fixture_programs_again_gives_the_recorded_figures(name):
+  _target_or_skip()
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, FIXTURES)
+  try:
+    import make_gpu_fixtures  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(FIXTURES)
+  fn, args = make_gpu_fixtures.PROGRAMS[name]
+  report = jmp_amp.gpu_report(fn, *args)
+  got, want = report.summary(), recorded(name)
+  for key in ("gemms_by_dtype", "gemm_flops_by_input_dtype", "kernels",
+              "kernels_by_kind", "temp_bytes", "argument_bytes", "label"):
+    assert got[key] == want[key], (key, got[key], want[key])
+
+
+def test_donated_train_step_aliases_its_state():
+  _target_or_skip()
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def step(w, x):
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    return w - 0.1 * g
+
+  w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+  kept = jmp_amp.gpu_report(step, w, x)
+  donated = jmp_amp.gpu_report(step, w, x, donate_argnums=0)
+  assert kept.memory["alias_bytes"] == 0
+  assert donated.memory["alias_bytes"] == 64 * 64 * 4
+  assert len(donated.matmuls) >= 2
+
+
+def test_bench_target_without_the_plugin_says_what_to_install(capsys):
+  if HAS_PLUGIN:
+    pytest.skip("the CUDA plugin is installed")
+  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
+  assert bench.main(["--target", "h100"]) == 2
+  assert 'pip install "jmp-amp[gpu-audit]"' in capsys.readouterr().err
+
+
+def test_bench_target_h100_table_and_json(tmp_path, capsys):
+  _target_or_skip()
+  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "h100.jsonl"
+  assert bench.main(["bench", "--target", "h100", "--width", "64",
+                     "--batch-size", "16", "--policy", "float32",
+                     "--policy", "bf16", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert LABEL in text and "8 x f32 x f32 -> f32" in text
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["mode"] for r in rows] == ["float32", "bf16"]
+  f32, bf16 = rows
+  assert f32["label"] == LABEL and f32["temp_bytes_vs_float32"] == 1.0
+  assert f32["gemms_by_dtype"] == {"f32 x f32 -> f32": 8}
+  assert bf16["half_gemm_flops"] == 1.0 and bf16["gemms"] == 8
+  assert bf16["argument_bytes"] == f32["argument_bytes"]  # f32 master params
