@@ -225,7 +225,7 @@ def _reference_update(inner, loss_scale_state, grads, inner_state, params):
   updates, new_inner = inner.update(grads, inner_state, params)
   updates = jax.tree_util.tree_map(
       lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
-  new_inner = jmp_amp.where_tree(finite, new_inner, inner_state)
+  new_inner = where_tree(finite, new_inner, inner_state)
   return updates, new_inner, loss_scale_state.adjust(finite), finite
 
 
