@@ -366,3 +366,28 @@ def test_nonfinite_loss_with_finite_grads(skip_with, small_params):
   with pytest.raises(TypeError, match=r"check_loss=True\) needs the loss.*"
                                       r"value=loss"):
     opt.update(grads, state, small_params)
+
+
+def test_gpu_finite_check_agrees_with_all_finite():
+  # The check loss_scaling compiles for GPUs/TPUs (row sums of x * 0), run
+  # here on the CPU against the plain one, over leaves of many kinds.
+  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  shapes = [(), (3,), (2**15,), (0, 4), (5, 7), (3, 4, 6)]
+  dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
+  check = jax.jit(scaling_lib._finite_by_partial_sums)  # pylint: disable=protected-access
+  for trial in range(60):
+    tree = {f"{i}": jnp.asarray(rng.normal(size=s) * 1e3, d)
+            for i, (s, d) in enumerate(zip(shapes, rng.permutation(
+                dtypes * 2)[:len(shapes)]))}
+    tree["ints"] = jnp.arange(3)
+    if trial % 3:
+      key = str(rng.choice([k for k in tree if k != "ints" and tree[k].size]))
+      flat = np.array(tree[key]).reshape(-1)
+      bad = rng.choice([np.inf, -np.inf, np.nan])
+      if np.iscomplexobj(flat) and trial % 2:
+        bad = complex(1.0, bad)
+      flat[rng.integers(flat.size)] = bad
+      tree[key] = jnp.asarray(flat.reshape(tree[key].shape), tree[key].dtype)
+    assert bool(check(tree)) == bool(jmp_amp.all_finite(tree)), trial
+    assert bool(check(tree)) == (trial % 3 == 0), trial
