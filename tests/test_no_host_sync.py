@@ -2,7 +2,8 @@
 
 Every step, skipped (inf/NaN) or growing the loss scale, runs under
 ``jax.transfer_guard("disallow")`` with its inputs already on the device, and
-the step is traced exactly once across all of them: the skip/scale decisions
+the step is traced exactly once across all of them (with either skip mechanism,
+``lax.cond`` or selects): the skip/scale decisions
 are data flow, not Python control flow on device values.
 """
 
@@ -64,10 +65,16 @@ def _scale_history(metrics):
   return finite, scale
 
 
-def test_plain_jax_step_no_transfers_one_compile():
+SKIP_WITH = ["auto", "cond", "select"]
+
+
+@pytest.mark.parametrize("skip_with", SKIP_WITH)
+def test_plain_jax_step_no_transfers_one_compile(skip_with):
   # bfloat16 compute: no overflow of its own, so skipped steps are exactly
   # the injected faults however high the scale grows.
-  opt = rh.make_optimizer(init_scale=2.0**15, period=2)
+  opt = jmp_amp.loss_scaling(
+      optax.adam(1e-2), jmp_amp.DynamicLossScale(2.0**15, period=2),
+      skip_with=skip_with)
   # No fault key: a jax.Array closed over by the step would be read on the
   # host once, to embed it as a constant when the step compiles.
   train_step, traces = _count_traces(rh.make_train_step(opt, rh.BF16))
@@ -191,10 +198,12 @@ def test_linen_train_step_no_transfers_one_compile():
   assert np.any(np.diff(scale) > 0)
 
 
-def test_loss_scaling_update_alone_no_transfers(small_params):
+@pytest.mark.parametrize("skip_with", SKIP_WITH)
+def test_loss_scaling_update_alone_no_transfers(small_params, skip_with):
   # The transformation by itself (no model): skip and growth branches.
   opt = jmp_amp.loss_scaling(optax.adam(1e-3),
-                             jmp_amp.DynamicLossScale(2.0**4, period=1))
+                             jmp_amp.DynamicLossScale(2.0**4, period=1),
+                             skip_with=skip_with)
   update, traces = _count_traces(opt.update)
   update = jax.jit(update)
   state = jax.device_put(opt.init(small_params))

@@ -209,3 +209,185 @@ def test_where_tree_keeps_the_dtypes_of_the_old_tree():
   assert taken["w"].dtype == jnp.bfloat16 and taken["n"].dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(taken["w"], np.float32), [3.0, 3.0])
   assert int(taken["n"]) == 5
+
+
+# --- The skip mechanisms, against a straightforward reference.
+
+
+def _reference_update(inner, loss_scale_state, grads, inner_state, params):
+  """The plain recipe: unscale each leaf in float32, check, update, select."""
+  def unscale(g):
+    wide = jnp.promote_types(g.dtype, jnp.float32)
+    return loss_scale_state.unscale(g.astype(wide)).astype(g.dtype)
+  grads = jax.tree_util.tree_map(unscale, grads)
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
+                              for g in jax.tree_util.tree_leaves(grads)]))
+  updates, new_inner = inner.update(grads, inner_state, params)
+  updates = jax.tree_util.tree_map(
+      lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
+  new_inner = where_tree(finite, new_inner, inner_state)
+  return updates, new_inner, loss_scale_state.adjust(finite), finite
+
+
+@pytest.mark.parametrize("skip_with", ["auto", "cond", "select"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_bit_identical_to_reference_over_random_faulty_steps(name, skip_with):
+  rng = np.random.default_rng(sum(map(ord, name + skip_with)))
+  params = {"w": jnp.asarray(rng.normal(size=(5, 7)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(7,)), jnp.float16)}
+  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](),
+                             jmp_amp.DynamicLossScale(2.0**6, period=3),
+                             skip_with=skip_with)
+  inner = OPTIMIZERS[name]()
+  state = opt.init(params)
+  ref_inner, ref_scale = inner.init(params), jmp_amp.DynamicLossScale(
+      2.0**6, period=3)
+  update = jax.jit(opt.update)
+  reference = jax.jit(lambda g, s, ls, p: _reference_update(inner, ls, g, s, p))
+  p = q = params
+  faults = 0
+  for step in range(40):
+    grads = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 2.0**6, x.dtype), p)
+    if rng.random() < 0.3:
+      faults += 1
+      bad = rng.choice([np.inf, -np.inf, np.nan])
+      grads["w"] = grads["w"].at[tuple(rng.integers(0, 5, 2))].set(bad)
+    updates, state = update(grads, state, p)
+    ref_updates, ref_inner, ref_scale, finite = reference(
+        grads, ref_inner, ref_scale, q)
+    assert tree_bytes_equal(updates, ref_updates), step
+    assert tree_bytes_equal(state.inner_state, ref_inner), step
+    assert tree_bytes_equal(state.loss_scale, ref_scale), step
+    assert bool(state.grads_finite) == bool(finite)
+    p = optax.apply_updates(p, updates)
+    q = optax.apply_updates(q, ref_updates)
+  assert tree_bytes_equal(p, q)
+  assert faults >= 5 and int(state.skipped_steps) == faults
+
+
+def _compiled_text(opt, params):
+  grads = jax.tree_util.tree_map(jnp.ones_like, params)
+  return jax.jit(opt.update).lower(grads, opt.init(params),
+                                   params).compile().as_text()
+
+
+def test_auto_skips_with_cond_on_cpu_and_select_keeps_no_conditional(
+    small_params):
+  if jax.default_backend() != "cpu":
+    pytest.skip("the backend choice checked here is CPU's")
+  make = lambda how: jmp_amp.loss_scaling(
+      optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0**4), skip_with=how)
+  assert "conditional(" in _compiled_text(make("auto"), small_params)
+  assert "conditional(" in _compiled_text(make("cond"), small_params)
+  assert "conditional(" not in _compiled_text(make("select"), small_params)
+
+
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_skip_leaves_negative_zero_params_bit_for_bit(skip_with):
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(4.0),
+                             skip_with=skip_with)
+  params = {"w": jnp.array([-0.0, 0.0, 1.0, -2.0])}
+  grads = {"w": jnp.array([1.0, jnp.nan, 1.0, 1.0])}
+  updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+  assert tree_bytes_equal(optax.apply_updates(params, updates), params)
+
+
+# --- Complex gradients, the loss in the check, flags.
+
+
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_complex_gradients_are_unscaled(skip_with):
+  scale = 2.0**15
+  opt = jmp_amp.loss_scaling(optax.sgd(0.5), jmp_amp.StaticLossScale(scale),
+                             skip_with=skip_with)
+  params = {"z": jnp.array([1 + 2j, -3 + 0.5j], jnp.complex64),
+            "r": jnp.ones(2)}
+  grads = {"z": jnp.array([0.25 - 1j, 2 + 4j], jnp.complex64),
+           "r": jnp.full(2, 0.5)}
+  scaled = jax.tree_util.tree_map(lambda g: g * scale, grads)
+  updates, state = opt.update(scaled, opt.init(params), params)
+  assert updates["z"].dtype == jnp.complex64
+  np.testing.assert_array_equal(np.asarray(updates["z"]),
+                                np.asarray(-0.5 * grads["z"]))
+  np.testing.assert_array_equal(np.asarray(updates["r"]), [-0.25, -0.25])
+  assert bool(state.grads_finite)
+  # An inf in either part of a complex gradient skips the step.
+  for bad in (complex(np.inf, 0), complex(0, np.nan)):
+    poisoned = dict(scaled, z=scaled["z"].at[1].set(bad))
+    updates, state = opt.update(poisoned, opt.init(params), params)
+    assert not bool(state.grads_finite)
+    assert tree_bytes_equal(optax.apply_updates(params, updates), params)
+
+
+@pytest.mark.parametrize("flag", ["skip_nonfinite", "check_loss"])
+@pytest.mark.parametrize("value", ["no", 1, None, np.array([True])])
+def test_flags_must_be_bools(flag, value):
+  with pytest.raises(TypeError, match=f"{flag} must be True or False.*"
+                                      f"{type(value).__name__}"):
+    jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.NoOpLossScale(),
+                         **{flag: value})
+
+
+@pytest.mark.parametrize("value", ["fast", "Cond", None, 1])
+def test_skip_with_must_be_a_known_mechanism(value):
+  with pytest.raises(ValueError, match="skip_with must be one of.*auto.*cond"
+                                       ".*select"):
+    jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.NoOpLossScale(),
+                         skip_with=value)
+
+
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_nonfinite_loss_with_finite_grads(skip_with, small_params):
+  grads = _grads_like(small_params, 4.0)
+  loss = jnp.float32(jnp.inf)
+  # Default, like torch's GradScaler: only the gradients decide.
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(4.0),
+                             skip_with=skip_with)
+  updates, state = opt.update(grads, opt.init(small_params), small_params,
+                              value=loss)
+  assert bool(state.grads_finite)
+  chex.assert_trees_all_close(updates, _grads_like(small_params, -1.0))
+  # check_loss=True: the loss is part of the check.
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(4.0),
+                             check_loss=True, skip_with=skip_with)
+  state = opt.init(small_params)
+  updates, new_state = jax.jit(opt.update)(grads, state, small_params,
+                                           value=loss)
+  assert not bool(new_state.grads_finite)
+  assert int(new_state.skipped_steps) == 1
+  assert float(new_state.loss_scale.loss_scale) == 2.0
+  assert tree_bytes_equal(optax.apply_updates(small_params, updates),
+                          small_params)
+  updates, new_state = opt.update(grads, state, small_params,
+                                  value=jnp.float32(3.0))
+  assert bool(new_state.grads_finite)
+  chex.assert_trees_all_close(updates, _grads_like(small_params, -1.0))
+  with pytest.raises(TypeError, match=r"check_loss=True\) needs the loss.*"
+                                      r"value=loss"):
+    opt.update(grads, state, small_params)
+
+
+def test_gpu_finite_check_agrees_with_all_finite():
+  # The check loss_scaling compiles for GPUs/TPUs (row sums of x * 0), run
+  # here on the CPU against the plain one, over leaves of many kinds.
+  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  shapes = [(), (3,), (2**15,), (0, 4), (5, 7), (3, 4, 6)]
+  dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
+  check = jax.jit(scaling_lib._finite_by_partial_sums)  # pylint: disable=protected-access
+  for trial in range(60):
+    tree = {f"{i}": jnp.asarray(rng.normal(size=s) * 1e3, d)
+            for i, (s, d) in enumerate(zip(shapes, rng.permutation(
+                dtypes * 2)[:len(shapes)]))}
+    tree["ints"] = jnp.arange(3)
+    if trial % 3:
+      key = str(rng.choice([k for k in tree if k != "ints" and tree[k].size]))
+      flat = np.array(tree[key]).reshape(-1)
+      bad = rng.choice([np.inf, -np.inf, np.nan])
+      if np.iscomplexobj(flat) and trial % 2:
+        bad = complex(1.0, bad)
+      flat[rng.integers(flat.size)] = bad
+      tree[key] = jnp.asarray(flat.reshape(tree[key].shape), tree[key].dtype)
+    assert bool(check(tree)) == bool(jmp_amp.all_finite(tree)), trial
+    assert bool(check(tree)) == (trial % 3 == 0), trial

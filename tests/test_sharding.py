@@ -20,10 +20,10 @@ def _run_script():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the script sets its own device count
   env["JAX_PLATFORMS"] = "cpu"
-  # Test this checkout's jmp_amp, whatever the venv's install points at.
-  repo = os.path.dirname(os.path.dirname(SCRIPT))
+  # The checkout under test, not whichever jmp_amp the venv has installed.
+  root = os.path.dirname(os.path.dirname(SCRIPT))
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (repo, env.get("PYTHONPATH")) if p)
+      [root] + [p for p in [env.get("PYTHONPATH")] if p])
   proc = subprocess.run([sys.executable, SCRIPT], capture_output=True,
                         text=True, env=env, timeout=300,
                         cwd=os.path.dirname(SCRIPT))

@@ -1,10 +1,19 @@
-"""Loss scaling as an optax `GradientTransformation`."""
+"""Loss scaling as an optax `GradientTransformation`.
+
+`loss_scaling` wraps an optimizer so that it sees unscaled gradients, skips
+steps whose gradients are not finite and adjusts the loss scale, all as data
+flow inside the train step. Its cost over the bare optimizer is one extra read
+of the gradients (the finite check, one fused reduction each) and a few scalar
+operations: the unscale is fused into the optimizer's own update kernels, and
+the skip either runs the optimizer under `jax.lax.cond` (CPU, TPU: the branch
+is chosen on the device) or selects inside its update kernels (GPU, where a
+conditional would copy the predicate to the host and wait for it).
+"""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +23,8 @@ from jmp_amp._src import loss_scale as ls_lib
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import where_tree
 
+SKIP_WITH = ("auto", "cond", "select")
+
 
 class LossScalingState(NamedTuple):
   """State of `loss_scaling`: arrays only, so it jits, shards and saves.
@@ -21,7 +32,8 @@ class LossScalingState(NamedTuple):
   Attributes:
     loss_scale: the current loss scale (a pytree of arrays).
     inner_state: the wrapped transformation's state.
-    grads_finite: whether the last step's gradients were all finite.
+    grads_finite: whether the last step's gradients (and loss, with
+      ``check_loss=True``) were all finite.
     skipped_steps: how many steps were skipped because of inf/NaN.
     steps: how many updates were seen (applied or skipped).
   """
@@ -32,14 +44,71 @@ class LossScalingState(NamedTuple):
   steps: jax.Array
 
 
-def _unscale_in_float32(loss_scale: ls_lib.LossScale, grads):
-  """Divides by the scale in float32, returning each leaf in its own dtype."""
-  def unscale_leaf(g):
-    if not jnp.issubdtype(g.dtype, jnp.floating):
-      return g
-    return loss_scale.unscale(g.astype(jnp.promote_types(g.dtype, jnp.float32))
-                              ).astype(g.dtype)
-  return jax.tree_util.tree_map(unscale_leaf, grads)
+def _is_inexact(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _unscale_leaf(loss_scale: ls_lib.LossScale, g):
+  """Divides one gradient by the scale in (at least) float32, in g's dtype.
+
+  Complex gradients are unscaled too (both parts, by the real scale).
+  """
+  if not _is_inexact(g):
+    return g
+  wide = jnp.promote_types(g.dtype, jnp.float32)
+  return loss_scale.unscale(g.astype(wide)).astype(g.dtype)
+
+
+def _unscale(loss_scale: ls_lib.LossScale, grads):
+  return jax.tree_util.tree_map(lambda g: _unscale_leaf(loss_scale, g), grads)
+
+
+def _partial_sums(x: jax.Array) -> jax.Array:
+  """Row sums of ``x * 0`` in float32: zeros, or NaN in a row with inf/NaN.
+
+  A sum propagates NaN whatever order it adds in (a max reduction need not),
+  and the multiply fuses into the one reduction kernel that reads `x`.
+  """
+  z = x * jnp.zeros((), x.dtype)
+  if jnp.iscomplexobj(z):
+    z = jnp.real(z)  # a * 0 - b * 0: NaN if either part is not finite.
+  z = z.astype(jnp.float32)
+  if z.size == 0:
+    return jnp.zeros((0,), jnp.float32)
+  if z.ndim >= 2:
+    return jnp.sum(z.reshape(z.shape[0], -1), axis=1)
+  if z.size > 2**14:
+    return jnp.sum(z).reshape(1)
+  return z.reshape(-1)
+
+
+def _finite_by_partial_sums(tree) -> jax.Array:
+  """`all_finite` in fewer GPU kernels: one row reduction per large leaf.
+
+  The per-leaf row sums (a few thousand numbers) are concatenated and summed
+  once; the barrier keeps XLA from splitting that sum back into one
+  reduction per leaf.
+  """
+  parts = [_partial_sums(x) for x in jax.tree_util.tree_leaves(tree)
+           if _is_inexact(x)]
+  if not parts:
+    return jnp.array(True)
+  flat = jax.lax.optimization_barrier(jnp.concatenate(parts))
+  return jnp.isfinite(jnp.sum(flat))
+
+
+def _unscaled_finite(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
+  """Whether every leaf of ``_unscale(loss_scale, grads)`` is finite.
+
+  The unscale fuses into the check's reductions (one read of each gradient,
+  no unscaled copy written), and an unscale that overflows (a scale below 1)
+  counts as non-finite, as it would reach the optimizer. On CPU the check is
+  `all_finite` (XLA:CPU writes ``x * 0`` out before a sum); elsewhere it is
+  `_finite_by_partial_sums`, which compiles to fewer kernels on a GPU.
+  """
+  unscaled = _unscale(loss_scale, grads)
+  return jax.lax.platform_dependent(
+      unscaled, cpu=all_finite, default=_finite_by_partial_sums)
 
 
 def _check_loss_scale(loss_scale: Any) -> None:
@@ -50,36 +119,128 @@ def _check_loss_scale(loss_scale: Any) -> None:
         f"DynamicLossScale, got {type(loss_scale).__name__}: {loss_scale!r}")
 
 
+def _check_flag(value: Any, name: str) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+        f"loss_scaling: {name} must be True or False, got "
+        f"{type(value).__name__}: {value!r}")
+
+
+def _skip_by_select(finite, apply, grads, inner_state, params):
+  """Runs `apply` and selects old or new leaf by leaf.
+
+  The selects fuse into the inner optimizer's update kernels, so nothing
+  extra is read or written on a GPU; both the old and the new state are alive
+  at once, which costs memory where the compiler does not fuse them (CPU).
+  """
+  updates, new_inner = apply(grads, inner_state, params)
+  updates = jax.tree_util.tree_map(
+      lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
+  return updates, where_tree(finite, new_inner, inner_state)
+
+
+def _vma(x) -> frozenset:
+  """The mesh axes `x` varies over inside `shard_map` (empty elsewhere)."""
+  aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _skip_by_cond(finite, apply, grads, inner_state, params):
+  """Runs `apply` only if `finite`, under `jax.lax.cond`.
+
+  On CPU and TPU the conditional runs on the device, so a skipped step costs
+  nothing and a taken one holds one optimizer state, not two.
+  """
+  operands = (grads, inner_state, params)
+
+  def take_raw(ops):
+    updates, new_inner = apply(*ops)
+    # The same types as the state it replaces, as lax.cond requires.
+    new_inner = jax.tree_util.tree_map(
+        lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
+        new_inner, ops[1])
+    return updates, new_inner
+
+  jaxpr, (shapes, _) = jax.make_jaxpr(take_raw, return_shape=True)(operands)
+  out_tree = jax.tree_util.tree_structure((shapes, inner_state))
+  # Under shard_map both branches must vary over the same mesh axes: each
+  # output varies over what the new value, the old one or the predicate
+  # does, as a select's result would.
+  old_leaves = (jax.tree_util.tree_leaves(shapes)
+                + jax.tree_util.tree_leaves(inner_state))
+  axes = [_vma(new) | (frozenset() if isinstance(old, jax.ShapeDtypeStruct)
+                       else _vma(old)) | _vma(finite)
+          for new, old in zip(jaxpr.out_avals, old_leaves)]
+
+  def vary(leaves):
+    out = []
+    for x, want in zip(leaves, axes):
+      missing = tuple(sorted(want - _vma(x)))
+      out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return jax.tree_util.tree_unflatten(out_tree, out)
+
+  def take(ops):
+    return vary(jax.tree_util.tree_leaves(take_raw(ops)))
+
+  def skip(ops):
+    zeros = [jnp.full(u.shape, -0.0, u.dtype)
+             for u in jax.tree_util.tree_leaves(shapes)]
+    return vary(zeros + jax.tree_util.tree_leaves(ops[1]))
+
+  return jax.lax.cond(finite, take, skip, operands)
+
+
+_SKIPS = {"select": _skip_by_select, "cond": _skip_by_cond}
+
+
 def loss_scaling(inner: optax.GradientTransformation,
                  loss_scale: ls_lib.LossScale,
                  *,
                  skip_nonfinite: bool = True,
                  axis_name: Optional[str] = None,
-                 ) -> optax.GradientTransformation:
+                 check_loss: bool = False,
+                 skip_with: str = "auto",
+                 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` so it receives unscaled gradients and skips inf/NaN steps.
 
   `update(grads, state, params)` takes the gradients of the *scaled* loss
-  (``get_loss_scale(state).scale(loss)``), divides them by the scale in
-  float32, checks that all are finite with one fused reduction, and then
+  (``get_loss_scale(state).scale(loss)``), checks that all of them are finite
+  once unscaled (one fused reduction per gradient), and then
 
-  * finite: applies `inner` to the unscaled gradients;
-  * non-finite: returns zero updates and leaves the inner state bit-for-bit
-    unchanged (params are then untouched by `optax.apply_updates`);
+  * finite: applies `inner` to the gradients divided by the scale in float32
+    (the division is fused into `inner`'s own update kernels);
+  * non-finite: returns updates of ``-0.0`` (so `optax.apply_updates` leaves
+    every param bit-for-bit unchanged, ``-0.0`` included) and leaves the inner
+    state bit-for-bit unchanged;
 
-  and adjusts the loss scale either way. Everything is `jnp.where` data flow:
-  jit-safe, with no host synchronisation. Because the transformations that
-  need gradients in their true units (clipping, weight decay, Adam's moments)
-  sit inside `inner`, they see unscaled gradients, as torch's ``unscale_``
-  recipe requires.
+  and adjusts the loss scale either way. There is no host synchronisation on
+  any backend. Because the transformations that need gradients in their true
+  units (clipping, weight decay, Adam's moments) sit inside `inner`, they see
+  unscaled gradients, as torch's ``unscale_`` recipe requires. Complex
+  gradients are unscaled like real ones (both parts).
+
+  Like torch's ``GradScaler``, the check looks at the gradients only: a loss
+  that is inf or NaN while its gradients are finite (say, an inf in a term
+  that does not depend on the params) does not skip the step. With
+  ``check_loss=True`` it does: pass the loss as ``value=`` (optax's name for
+  the objective's value, also read by e.g. `optax.contrib.reduce_on_plateau`).
 
   Example:
+    >>> params = {"w": jnp.ones(3)}
     >>> opt = jmp_amp.loss_scaling(
     ...     optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
     ...     jmp_amp.DynamicLossScale(2.0 ** 15))
     >>> state = opt.init(params)
-    >>> def loss_fn(p, x):  # in the train step
-    ...   return jmp_amp.get_loss_scale(state).scale(model_loss(p, x))
-    >>> updates, state = opt.update(jax.grad(loss_fn)(params, x), state, params)
+    >>> def scaled_loss(p, state):  # in the train step
+    ...   return jmp_amp.get_loss_scale(state).scale(jnp.sum(p["w"] ** 2))
+    >>> grads = jax.grad(scaled_loss)(params, state)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> int(state.skipped_steps), float(state.loss_scale.loss_scale)
+    (0, 32768.0)
 
   Args:
     inner: the optimizer to protect, e.g. `optax.adamw(...)`.
@@ -91,15 +252,33 @@ def loss_scaling(inner: optax.GradientTransformation,
       axis over which the finite flag is reduced, so that every device skips
       together. Not needed under `jit` with sharded arrays (the check is global
       there already).
+    check_loss: also skip (and back off) when the loss is not finite. `update`
+      must then be given the loss, scaled or not, as ``value=loss``.
+    skip_with: how a skipped step leaves the inner state unchanged:
+      ``"cond"`` runs `inner` under `jax.lax.cond` (only one optimizer state
+      alive; on a GPU the conditional copies its predicate to the host and
+      waits for it), ``"select"`` runs it always and selects old or new
+      values inside its update kernels (free on a GPU, where they fuse; on a
+      CPU it holds old and new states at once). ``"auto"`` (default) picks
+      per backend when the step is lowered: ``"cond"`` on CPU and TPU (whose
+      conditionals run on the device), ``"select"`` elsewhere (GPU).
 
   Returns:
-    An `optax.GradientTransformation` whose state is a `LossScalingState`.
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `LossScalingState`.
   """
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
         "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3)),"
         f" got {type(inner).__name__}")
   _check_loss_scale(loss_scale)
+  _check_flag(skip_nonfinite, "skip_nonfinite")
+  _check_flag(check_loss, "check_loss")
+  if not isinstance(skip_with, str) or skip_with not in SKIP_WITH:
+    raise ValueError(
+        f"loss_scaling: skip_with must be one of {SKIP_WITH}, got "
+        f"{skip_with!r}")
+  inner_update = optax.with_extra_args_support(inner).update
 
   def init_fn(params):
     return LossScalingState(
@@ -116,21 +295,34 @@ def loss_scaling(inner: optax.GradientTransformation,
           f"transformation's init, got {type(state).__name__}")
     if params is not None:
       _check_same_structure(updates, params)
-    grads = _unscale_in_float32(state.loss_scale, updates)
-    finite = all_finite(grads)
+    loss_scale = state.loss_scale
+    finite = _unscaled_finite(loss_scale, updates)
+    if check_loss:
+      if "value" not in extra_args:
+        raise TypeError(
+            "loss_scaling(..., check_loss=True) needs the loss: call "
+            "update(grads, state, params, value=loss)")
+      finite = finite & all_finite(extra_args["value"])
     if axis_name is not None:
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
 
-    new_updates, new_inner = optax.with_extra_args_support(inner).update(
-        grads, state.inner_state, params, **extra_args)
-    if skip_nonfinite:
-      # Select, not lax.cond: XLA fuses the select into the update kernels, and
-      # the discarded branch's NaNs never reach the returned state.
-      new_updates = jax.tree_util.tree_map(
-          lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-      new_inner = where_tree(finite, new_inner, state.inner_state)
+    def apply(grads, inner_state, params):
+      return inner_update(_unscale(loss_scale, grads), inner_state, params,
+                          **extra_args)
+
+    if not skip_nonfinite:
+      new_updates, new_inner = apply(updates, state.inner_state, params)
+    elif skip_with == "auto":
+      select = lambda *a: _skip_by_select(finite, apply, *a)
+      cond = lambda *a: _skip_by_cond(finite, apply, *a)
+      new_updates, new_inner = jax.lax.platform_dependent(
+          updates, state.inner_state, params, cpu=cond, tpu=cond,
+          default=select)
+    else:
+      new_updates, new_inner = _SKIPS[skip_with](
+          finite, apply, updates, state.inner_state, params)
     return new_updates, LossScalingState(
-        loss_scale=state.loss_scale.adjust(finite),
+        loss_scale=loss_scale.adjust(finite),
         inner_state=new_inner,
         grads_finite=finite,
         skipped_steps=state.skipped_steps + jnp.logical_not(finite).astype(
@@ -188,7 +380,11 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
   """The current loss scale held in a (nested) optax state.
 
   Example:
-    >>> scaled_loss = jmp_amp.get_loss_scale(opt_state).scale(loss)
+    >>> opt = optax.chain(optax.clip_by_global_norm(1.0), jmp_amp.loss_scaling(
+    ...     optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0 ** 15)))
+    >>> opt_state = opt.init({"w": jnp.ones(3)})
+    >>> float(jmp_amp.get_loss_scale(opt_state).scale(jnp.float32(0.5)))
+    16384.0
   """
   return get_scaling_state(opt_state).loss_scale
 
