@@ -272,11 +272,11 @@ ERROR_CASES = {
     "loss_scaling(skip_nonfinite='no')": (
         lambda d: jmp_amp.loss_scaling(optax.sgd(0.1), Dyn(2.0**15),
                                        skip_nonfinite="no"), TypeError,
-        names("skip_nonfinite", "'no'"), needs("scaling")),
+        names("skip_nonfinite", "'no'")),
     "loss_scaling(skip_nonfinite=None)": (
         lambda d: jmp_amp.loss_scaling(optax.sgd(0.1), Dyn(2.0**15),
                                        skip_nonfinite=None), TypeError,
-        names("skip_nonfinite", "None"), needs("scaling")),
+        names("skip_nonfinite", "None")),
     "loss_scaling with a jmp-style float scale": (
         lambda d: jmp_amp.loss_scaling(optax.sgd(0.1), 32768.0), TypeError,
         names("loss_scale must be a jmp_amp", "float")),
@@ -426,7 +426,6 @@ def test_integer_scale_never_reaches_zero():
   assert bool(jnp.all(jnp.isfinite(ls.unscale(jnp.ones(2)))))
 
 
-@needs("scaling")
 def test_complex_gradients_are_unscaled_or_refused():
   params = {"z": jnp.ones(2, jnp.complex64)}
   opt = jmp_amp.loss_scaling(optax.sgd(1.0), Static(2.0**15))
