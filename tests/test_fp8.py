@@ -507,3 +507,25 @@ def test_fp8_gpt_final_loss_within_3_percent_of_bf16():
   assert len(flax_fp8.fp8_modules(model)) == 6
   assert loss_bf16 < 0.1 * np.log(64), loss_bf16  # it learned the task
   assert abs(loss_fp8 - loss_bf16) <= 0.03 * loss_bf16, (loss_bf16, loss_fp8)
+
+
+def test_make_train_step_updates_fp8_histories_under_loss_scaling():
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  model = flax_fp8.set_fp8(
+      models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0)),
+      fp8.delayed_scaling(history_len=4), keep_first_last=False)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.1), jmp_amp.DynamicLossScale(2.0**15)), wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(
+      lambda m, b: models.mse_loss(m(b[0]), b[1]))
+  x = jnp.full((4, 8), 3.0)
+  kernel_before = np.asarray(model.layers[0].kernel[...])
+  metrics = step(model, opt, (x, jnp.zeros((4, 2))))
+  hist = flax_fp8.fp8_histories(model)["layers/0"]
+  assert bool(metrics["grads_finite"])
+  # The first layer's input amax is |x| = 3 (newest first); the output
+  # gradient's amax is recorded too (scaled by the loss scale, > 0).
+  assert float(hist.lhs[0]) == 3.0 and float(hist.lhs[1]) == 0.0
+  assert float(hist.grad[0]) > 0.0
+  # The histories are not handed to the optimizer: params still train.
+  assert not np.array_equal(kernel_before, np.asarray(model.layers[0].kernel[...]))

@@ -64,6 +64,7 @@ import numpy as np
 import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src.tree import where_tree
+from jmp_amp.flax import fp8
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
 
@@ -220,7 +221,10 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
     _check_optimizer(optimizer)
-    graphdef, params, rest = nnx.split(model, wrt, ...)
+    # FP8 amax histories are differentiated too: their "gradients" are
+    # their new values (see jmp_amp.flax.fp8).
+    diff = nnx.Any(wrt, fp8.FP8Meta)
+    graphdef, params, rest = nnx.split(model, diff, ...)
     opt_state = nnx.as_pure(optimizer.opt_state)
     loss_scale = jmp_amp.get_loss_scale(opt_state)
 
@@ -228,7 +232,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       # copy: fresh Variables of this trace, which the forward pass may update.
       m = nnx.merge(graphdef, params, rest, copy=True)
       loss, aux = _split_loss(loss_fn(m, batch), has_aux)
-      return loss, aux, nnx.split(m, wrt, ...)[2]
+      return loss, aux, nnx.split(m, diff, ...)[2]
 
     fn = hook(forward) if hook is not None else forward
 
@@ -238,6 +242,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       return loss_scale.scale(loss), (loss, aux, new_rest)
 
     grads, (loss, aux, new_rest) = jax.grad(scaled_loss, has_aux=True)(params)
+    grads = fp8.update_fp8_state(model, grads)
     optimizer.update(model, grads)
     metrics = _metrics(nnx.as_pure(optimizer.opt_state), loss, aux, has_aux)
 
