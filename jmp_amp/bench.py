@@ -112,14 +112,15 @@ def _loss_scale_for(mode: dict[str, Any], init_scale: float):
   return jmp_amp.NoOpLossScale()
 
 
-def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
-                  batch_size) -> Workload:
-  """A jitted pure step around `jmp_amp.flax.make_train_step` for `model`.
+def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
+             tx: optax.GradientTransformation, init_scale: float = 2.0**15):
+  """(jitted step, state): ``step(state, batch) -> (state, metrics)``.
 
-  Policies come from `jmp_amp.flax.set_policies` (or op-level autocast). The
-  model and optimizer are split once into a graphdef and a state pytree, so
-  each step is a plain `jax.jit` call with the state donated: no per-step
-  Python graph traversal, which would dominate sub-millisecond GPU steps.
+  Policies come from `jmp_amp.flax.set_policies` (or op-level autocast), loss
+  scaling wraps `tx`. The model and optimizer are split once into a graphdef
+  and a state pytree, so each step is a plain `jax.jit` call with the state
+  donated: no per-step Python graph traversal, which would dominate
+  sub-millisecond GPU steps. `jmp_amp.gpu_bench` compiles the same steps.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
@@ -127,8 +128,7 @@ def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
   if mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
     jflax.set_policies(model, jflax.mixed_rules(half))
-  tx = jmp_amp.loss_scaling(optax.sgd(cfg.lr),
-                            _loss_scale_for(mode, cfg.init_scale))
+  tx = jmp_amp.loss_scaling(tx, _loss_scale_for(mode, init_scale))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   inner = jflax.make_train_step(
       lambda m, batch: loss_of_output(m(batch[0]), batch[1]),
@@ -140,8 +140,15 @@ def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
     metrics = inner(model, optimizer, batch)
     return nnx.state((model, optimizer)), metrics
 
-  return Workload(jax.jit(step, donate_argnums=0), state, batches, batch_size,
-                  flops)
+  return jax.jit(step, donate_argnums=0), state
+
+
+def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
+                  batch_size) -> Workload:
+  """The bench's SGD step (`nnx_step`) for `model`, with its batches."""
+  step, state = nnx_step(model, loss_of_output, mode, optax.sgd(cfg.lr),
+                         cfg.init_scale)
+  return Workload(step, state, batches, batch_size, flops)
 
 
 def mlp_data(cfg: Config) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,6 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import optax
 
 import jmp_amp
 from jmp_amp import bench
@@ -43,34 +42,7 @@ def use_compile_only_cpu() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
-             tx: optax.GradientTransformation, init_scale: float = 2.0**15):
-  """(jitted step, state): ``step(state, batch) -> (state, metrics)``.
-
-  As `jmp_amp.bench` builds its steps (policies from `jmp_amp.flax`, loss
-  scaling around `tx`, the state donated), with any optimizer.
-  """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
-
-  if mode.get("policy") not in (None, "float32"):
-    half = jmp_amp.get_policy(mode["policy"]).compute_dtype
-    jflax.set_policies(model, jflax.mixed_rules(half))
-  scale = (jmp_amp.DynamicLossScale(init_scale) if mode.get("scale") == "dynamic"
-           else jmp_amp.NoOpLossScale())
-  optimizer = nnx.Optimizer(model, jmp_amp.loss_scaling(tx, scale),
-                            wrt=nnx.Param)
-  inner = jflax.make_train_step(
-      lambda m, batch: loss_of_output(m(batch[0]), batch[1]),
-      autocast=mode.get("autocast"), jit=False)
-  graphdef, state = nnx.split((model, optimizer))
-
-  def step(state, batch):
-    model, optimizer = nnx.merge(graphdef, state)
-    metrics = inner(model, optimizer, batch)
-    return nnx.state((model, optimizer)), metrics
-
-  return jax.jit(step, donate_argnums=0), state
+nnx_step = bench.nnx_step  # the bench's steps, with any optimizer
 
 
 def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
