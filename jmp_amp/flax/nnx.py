@@ -375,12 +375,12 @@ def _apply(module: nnx.Module, policy: Policy, *, cast_output: bool,
          for _, var in _own_params(module)):
     if policy.compute_dtype != policy.param_dtype:
       return ("computes with Params of its own but has no dtype knob: they "
-              f"stay {policy.param_dtype.name}, not "
-              f"{policy.compute_dtype.name}")
+              f"stay {np.dtype(policy.param_dtype).name}, not "
+              f"{np.dtype(policy.compute_dtype).name}")
   if (explicit and cast_output
       and policy.output_dtype != policy.compute_dtype):
-    return (f"has no knobs to return {policy.output_dtype.name}: it returns "
-            "what its children compute")
+    return (f"has no knobs to return {np.dtype(policy.output_dtype).name}: "
+            "it returns what its children compute")
   return None
 
 
