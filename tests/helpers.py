@@ -13,3 +13,15 @@ def tree_bytes_equal(a, b) -> bool:
   return all(np.asarray(x).dtype == np.asarray(y).dtype
              and np.asarray(x).tobytes() == np.asarray(y).tobytes()
              for x, y in zip(la, lb))
+
+
+def pure(tree):
+  """`tree` with its `nnx.Variable`s replaced by their values.
+
+  What `nnx.as_pure` does from Flax 0.12.7 on, with public APIs of every
+  supported Flax (the optax state inside an `nnx.Optimizer`, for instance).
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return jax.tree_util.tree_map(
+      lambda x: x.get_value() if isinstance(x, nnx.Variable) else x, tree,
+      is_leaf=lambda x: isinstance(x, nnx.Variable))

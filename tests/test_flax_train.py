@@ -9,7 +9,7 @@ import pytest
 
 import jmp_amp
 import jmp_amp.flax as jf
-from helpers import tree_bytes_equal
+from helpers import pure, tree_bytes_equal
 import models
 import test_flax_models as tm
 
@@ -87,7 +87,7 @@ def test_nnx_models_train_under_mixed_precision(name, compute):
   assert leaves_dtypes(nnx.state(model, nnx.Param)) == {F32}
   assert leaves_dtypes(nnx.state(model, nnx.BatchStat)) <= {F32}
   # The scale lives on inside nnx.Optimizer's Variable-wrapped state.
-  scaling = jmp_amp.get_scaling_state(nnx.as_pure(optimizer.opt_state))
+  scaling = jmp_amp.get_scaling_state(pure(optimizer.opt_state))
   assert isinstance(scaling, jmp_amp.LossScalingState)
   assert float(metrics["loss_scale"]) == float(scaling.loss_scale.loss_scale)
 
@@ -108,7 +108,7 @@ def test_nnx_skipped_step_changes_nothing_but_the_scale():
   assert float(metrics["loss_scale"]) == 2.0 ** 14
   after_model = host(nnx.state(model))
   assert tree_bytes_equal(after_model, before[0])  # params AND batch stats
-  inner = lambda s: nnx.as_pure(s)["opt_state"].inner_state
+  inner = lambda s: pure(s)["opt_state"].inner_state
   assert tree_bytes_equal(inner(host(nnx.state(optimizer))),
                           inner(before[1]))
 

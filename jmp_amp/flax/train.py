@@ -221,11 +221,16 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
     _check_optimizer(optimizer)
+<<<<<<< HEAD
     # FP8 amax histories are differentiated too: their "gradients" are
     # their new values (see jmp_amp.flax.fp8).
     diff = nnx.Any(wrt, fp8.FP8Meta)
     graphdef, params, rest = nnx.split(model, diff, ...)
     opt_state = nnx.as_pure(optimizer.opt_state)
+=======
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    opt_state = _optax_state(optimizer)
+>>>>>>> minv
     loss_scale = jmp_amp.get_loss_scale(opt_state)
 
     def forward(params, rest, batch):
@@ -244,7 +249,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     grads, (loss, aux, new_rest) = jax.grad(scaled_loss, has_aux=True)(params)
     grads = fp8.update_fp8_state(model, grads)
     optimizer.update(model, grads)
-    metrics = _metrics(nnx.as_pure(optimizer.opt_state), loss, aux, has_aux)
+    metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
 
     new_rest = _like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
@@ -286,6 +291,16 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
 
   run.lower = lower
   return run
+
+
+def _optax_state(optimizer: nnx.Optimizer) -> Any:
+  """The optax state an `nnx.Optimizer` holds, its Variables unwrapped.
+
+  (`nnx.as_pure` does this from Flax 0.12.7 on; this works on every version.)
+  """
+  return jax.tree.map(
+      lambda x: x.get_value() if isinstance(x, nnx.Variable) else x,
+      optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _check_optimizer(optimizer: Any) -> None:
