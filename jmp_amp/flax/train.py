@@ -221,16 +221,11 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
     _check_optimizer(optimizer)
-<<<<<<< HEAD
     # FP8 amax histories are differentiated too: their "gradients" are
     # their new values (see jmp_amp.flax.fp8).
     diff = nnx.Any(wrt, fp8.FP8Meta)
     graphdef, params, rest = nnx.split(model, diff, ...)
-    opt_state = nnx.as_pure(optimizer.opt_state)
-=======
-    graphdef, params, rest = nnx.split(model, wrt, ...)
     opt_state = _optax_state(optimizer)
->>>>>>> minv
     loss_scale = jmp_amp.get_loss_scale(opt_state)
 
     def forward(params, rest, batch):
