@@ -405,16 +405,19 @@ def _eval_jaxpr(ctx: _Context, jaxpr, consts, args) -> list:
     with source_info_util.user_context(eqn.source_info.traceback,
                                        name_stack=name_stack), manager:
       outs = _eval_eqn(ctx, eqn, [read(v) for v in eqn.invars])
-    for var, val in zip(eqn.outvars, outs):
-      if not isinstance(var, jex_core.DropVar):
-        env[var] = val
+    # Dropped outputs (DropVar) are stored too: nothing ever reads them.
+    env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
 
 def _bind(eqn, invals, params=None) -> list:
   prim = eqn.primitive
   params = eqn.params if params is None else params
-  out = prim.bind(*invals, **prim.get_bind_params(params))
+  bind_params = prim.get_bind_params(params)
+  subfuns = ()
+  if isinstance(bind_params, tuple):  # jax < 0.9: (subfuns, params)
+    subfuns, bind_params = bind_params
+  out = prim.bind(*subfuns, *invals, **bind_params)
   return list(out) if prim.multiple_results else [out]
 
 
