@@ -1,5 +1,7 @@
 """Assertion helpers shared by the tests (importable: tests/ is on pythonpath)."""
 
+import functools
+
 import jax
 import numpy as np
 
@@ -25,3 +27,16 @@ def pure(tree):
   return jax.tree_util.tree_map(
       lambda x: x.get_value() if isinstance(x, nnx.Variable) else x, tree,
       is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@functools.lru_cache(maxsize=None)
+def digits():
+  """scikit-learn's digits, scaled to [0, 1] and shuffled: ((x, y), (x_test, y_test))."""
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  data = datasets.load_digits()
+  x = (data.data / 16.0).astype(np.float32)
+  y = data.target.astype(np.int32)
+  order = np.random.default_rng(0).permutation(len(x))
+  x, y = x[order], y[order]
+  split = int(0.8 * len(x))
+  return (x[:split], y[:split]), (x[split:], y[split:])

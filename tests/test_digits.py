@@ -1,27 +1,15 @@
 """Real data: mixed precision trains scikit-learn's digits to float32 accuracy."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import helpers
 import jmp_amp
 
-sklearn_datasets = pytest.importorskip("sklearn.datasets")
-
-
-@functools.lru_cache(maxsize=None)
-def _digits():
-  digits = sklearn_datasets.load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(x))
-  x, y = x[order], y[order]
-  split = int(0.8 * len(x))
-  return (x[:split], y[:split]), (x[split:], y[split:])
+pytest.importorskip("sklearn.datasets")
 
 
 def _init(key, sizes=(64, 128, 128, 10)):
@@ -45,7 +33,7 @@ def _forward(params, x, policy):
 
 def _train(policy_name, loss_scale, steps=300):
   policy = jmp_amp.get_policy(policy_name)
-  (x, y), (xt, yt) = _digits()
+  (x, y), (xt, yt) = helpers.digits()
   params = _init(jax.random.key(0))
   opt = jmp_amp.loss_scaling(optax.adam(3e-3), loss_scale)
   state = opt.init(params)

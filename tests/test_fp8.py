@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 import jmp_amp
 from jmp_amp._src import fp8
 from jmp_amp.flax import fp8 as flax_fp8
@@ -424,20 +425,6 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
   assert float(jnp.max(flax_fp8.fp8_histories(model2)["layers/3"].grad)) > 0
 
 
-sklearn_datasets = pytest.importorskip("sklearn.datasets")
-
-
-@functools.lru_cache(maxsize=None)
-def _digits():
-  digits = sklearn_datasets.load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(x))
-  x, y = x[order], y[order]
-  split = int(0.8 * len(x))
-  return (x[:split], y[:split]), (x[split:], y[split:])
-
-
 def _train_scan(model, loss_fn, batches, lr):
   """Adam on `batches` (stacked), all steps in one jitted `lax.scan`."""
   opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
@@ -460,7 +447,8 @@ def _train_scan(model, loss_fn, batches, lr):
 
 
 def _train_digits(setup, steps=300):
-  (x, y), (xt, yt) = _digits()
+  pytest.importorskip("sklearn.datasets")
+  (x, y), (xt, yt) = helpers.digits()
   model = setup(models.MLP(64, 10, num_layers=3, width=128,
                            rngs=nnx.Rngs(0)))
 

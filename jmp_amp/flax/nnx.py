@@ -357,9 +357,9 @@ def _apply(module: nnx.Module, policy: Policy, *, cast_output: bool,
 
   has_dtype = _common.is_dtype_knob(attrs.get("dtype", _MISSING))
   if has_dtype:
-    set_knob("dtype", policy.compute_dtype)
+    set_knob("dtype", np.dtype(policy.compute_dtype))
   if _common.is_dtype_knob(attrs.get("param_dtype", _MISSING)):
-    set_knob("param_dtype", policy.param_dtype)
+    set_knob("param_dtype", np.dtype(policy.param_dtype))
   if (policy.compute_dtype in _common.HALF
       and policy.output_dtype == np.dtype(np.float32)):
     for name, defaults, replacement in _MATMUL_KNOBS:
