@@ -27,3 +27,32 @@ def regression_data(scenario, seed=0):
   w0 = np.random.default_rng(1).normal(size=(5, 2)).astype(np.float32) * 0.1
   b0 = np.zeros(2, np.float32)
   return xs, ys, w0, b0
+
+
+def torch_run(scenario):
+  """`torch.amp.GradScaler` + SGD on the scenario: scales, skips, final weights."""
+  import torch  # pylint: disable=g-import-not-at-top
+  xs, ys, w0, b0 = regression_data(scenario)
+  model = torch.nn.Linear(5, 2)
+  with torch.no_grad():
+    model.weight.copy_(torch.from_numpy(w0.T.copy()))
+    model.bias.copy_(torch.from_numpy(b0))
+  opt = torch.optim.SGD(model.parameters(), lr=scenario["lr"])
+  scaler = torch.amp.GradScaler(
+      "cpu", init_scale=scenario["init_scale"], growth_factor=2.0,
+      backoff_factor=0.5, growth_interval=scenario["interval"])
+  scales, skipped = [], []
+  for x, y in zip(xs, ys):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(torch.from_numpy(x)),
+                                        torch.from_numpy(y))
+    scaler.scale(loss).backward()
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    skipped.append(bool(torch.equal(before, model.weight.detach())))
+    scales.append(float(scaler.get_scale()))
+  return {"scales": scales, "skipped": skipped,
+          "w": model.weight.detach().numpy().T.tolist(),
+          "b": model.bias.detach().numpy().tolist(),
+          "version": torch.__version__}

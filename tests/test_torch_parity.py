@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jmp_amp
-from reference_scenarios import SCENARIOS, regression_data
+from reference_scenarios import SCENARIOS, regression_data, torch_run
 
 DATA = json.loads((pathlib.Path(__file__).parent / "data" /
                    "reference_trajectories.json").read_text())
@@ -55,29 +55,8 @@ def run_jax(scenario):
 
 
 def run_torch(scenario):
-  torch = pytest.importorskip("torch")
-  xs, ys, w0, b0 = regression_data(scenario)
-  model = torch.nn.Linear(5, 2)
-  with torch.no_grad():
-    model.weight.copy_(torch.from_numpy(w0.T.copy()))
-    model.bias.copy_(torch.from_numpy(b0))
-  opt = torch.optim.SGD(model.parameters(), lr=scenario["lr"])
-  scaler = torch.amp.GradScaler(
-      "cpu", init_scale=scenario["init_scale"], growth_factor=2.0,
-      backoff_factor=0.5, growth_interval=scenario["interval"])
-  scales, skipped = [], []
-  for x, y in zip(xs, ys):
-    opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(torch.from_numpy(x)),
-                                        torch.from_numpy(y))
-    scaler.scale(loss).backward()
-    before = model.weight.detach().clone()
-    scaler.step(opt)
-    scaler.update()
-    skipped.append(bool(torch.equal(before, model.weight.detach())))
-    scales.append(float(scaler.get_scale()))
-  return {"scales": scales, "skipped": skipped,
-          "w": model.weight.detach().numpy().T, "b": model.bias.detach().numpy()}
+  pytest.importorskip("torch")
+  return torch_run(scenario)
 
 
 def assert_same_run(ours, theirs, scenario):

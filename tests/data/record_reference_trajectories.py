@@ -33,35 +33,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # for reference_scenarios
-from reference_scenarios import SCENARIOS, regression_data  # pylint: disable=g-import-not-at-top
-
-
-def torch_run(scenario):
-  import torch  # pylint: disable=g-import-not-at-top
-  xs, ys, w0, b0 = regression_data(scenario)
-  model = torch.nn.Linear(5, 2)
-  with torch.no_grad():
-    model.weight.copy_(torch.from_numpy(w0.T.copy()))
-    model.bias.copy_(torch.from_numpy(b0))
-  opt = torch.optim.SGD(model.parameters(), lr=scenario["lr"])
-  scaler = torch.amp.GradScaler(
-      "cpu", init_scale=scenario["init_scale"], growth_factor=2.0,
-      backoff_factor=0.5, growth_interval=scenario["interval"])
-  scales, skipped = [], []
-  for x, y in zip(xs, ys):
-    opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(torch.from_numpy(x)),
-                                        torch.from_numpy(y))
-    scaler.scale(loss).backward()
-    before = model.weight.detach().clone()
-    scaler.step(opt)
-    scaler.update()
-    skipped.append(bool(torch.equal(before, model.weight.detach())))
-    scales.append(float(scaler.get_scale()))
-  return {"scales": scales, "skipped": skipped,
-          "w": model.weight.detach().numpy().T.tolist(),
-          "b": model.bias.detach().numpy().tolist(),
-          "version": torch.__version__}
+from reference_scenarios import SCENARIOS, torch_run  # pylint: disable=g-import-not-at-top
 
 
 def keras_run(scenario):
