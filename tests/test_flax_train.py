@@ -251,3 +251,22 @@ def test_linen_step_without_mutable_collections_and_with_autocast():
     first = first or float(metrics["loss"])
   assert float(metrics["loss"]) < first
   assert state.batch_stats is None
+
+
+def test_donated_step_equals_undonated():
+  # Donating the state must not change what a step computes (jax 0.8.1's
+  # XLA:CPU got this wrong for this step, which set the version floor).
+  inputs, targets = models.data.regression_batches(1, 128, 256, 256, seed=0)
+  batch = (jnp.asarray(inputs[0]), jnp.asarray(targets[0]))
+  losses, params = {}, {}
+  for donate in (True, False):
+    model = models.MLP(256, 256, 3, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+        optax.sgd(0.1), jmp_amp.DynamicLossScale(2.0**15)), wrt=nnx.Param)
+    step = jf.make_train_step(lambda m, b: models.mse_loss(m(b[0]), b[1]),
+                              donate=donate)
+    losses[donate] = [float(step(model, opt, batch)["loss"]) for _ in range(4)]
+    params[donate] = pure(nnx.state(model, nnx.Param))
+  assert losses[True][3] < losses[True][0] * 0.97  # the updates are applied
+  assert losses[True] == losses[False]
+  assert tree_bytes_equal(params[True], params[False])

@@ -139,6 +139,13 @@ def _skip_by_select(finite, apply, grads, inner_state, params):
   return updates, where_tree(finite, new_inner, inner_state)
 
 
+def _to_varying(x, axes: tuple):
+  """Marks `x` as varying over the mesh `axes` (`lax.pcast`, or `pvary` before it)."""
+  if hasattr(jax.lax, "pcast"):  # jax >= 0.10
+    return jax.lax.pcast(x, axes, to="varying")
+  return jax.lax.pvary(x, axes)
+
+
 def _vma(x) -> frozenset:
   """The mesh axes `x` varies over inside `shard_map` (empty elsewhere)."""
   aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
@@ -179,7 +186,7 @@ def _skip_by_cond(finite, apply, grads, inner_state, params):
     out = []
     for x, want in zip(leaves, axes):
       missing = tuple(sorted(want - _vma(x)))
-      out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+      out.append(_to_varying(x, missing) if missing else x)
     return jax.tree_util.tree_unflatten(out_tree, out)
 
   def take(ops):
