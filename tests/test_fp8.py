@@ -476,7 +476,7 @@ def test_fp8_digits_within_two_points_of_float32():
   assert bool(jmp_amp.all_finite(nnx.state(model, nnx.Param)))
 
 
-def _train_gpt(setup, steps=200):
+def _train_gpt(setup, steps=300):
   model = setup(models.GPT(vocab_size=64, d_model=32, num_heads=2,
                            num_layers=2, max_len=32, dtype=jnp.bfloat16,
                            rngs=nnx.Rngs(0)))
