@@ -12,7 +12,7 @@ These are compiler facts (what XLA emits for an H100), not timings.
 
 Run (a venv with the jax CUDA plugin, see ../shared/tools/README.md)::
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. /work/aot/.venv-aot/bin/python \\
+    JAX_PLATFORMS=cpu PYTHONPATH=. .venv-aot/bin/python \\
         benchmarks/fp8_h100.py [--out benchmarks/results/fp8_h100.json]
 """
 
@@ -31,8 +31,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TOOLS = pathlib.Path(os.environ.get("AOT_H100_TOOLS",
                                     ROOT.parent / "shared" / "tools"))
-if not (TOOLS / "aot_h100.py").exists():
-  TOOLS = pathlib.Path("/work/shared/tools")
 sys.path.insert(0, str(TOOLS))
 
 from flax import nnx  # noqa: E402

@@ -11,7 +11,7 @@ returned in the logits' dtype), and prints GPU temp memory and its ratio to
 float32. Compiler figures (`memory_analysis()` of the optimized XLA:GPU
 program), not timings: nothing runs on a GPU.
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. /work/aot/.venv-aot/bin/python \\
+    JAX_PLATFORMS=cpu PYTHONPATH=. .venv-aot/bin/python \\
         benchmarks/gpt_memory_h100.py [--out benchmarks/results/gpt_memory_h100.json]
 """
 
