@@ -368,26 +368,50 @@ def test_nonfinite_loss_with_finite_grads(skip_with, small_params):
     opt.update(grads, state, small_params)
 
 
-def test_gpu_finite_check_agrees_with_all_finite():
-  # The check loss_scaling compiles for GPUs/TPUs (row sums of x * 0), run
-  # here on the CPU against the plain one, over leaves of many kinds.
+@pytest.mark.parametrize("loss_scale", [
+    jmp_amp.NoOpLossScale(), jmp_amp.StaticLossScale(2.0**15),
+    jmp_amp.StaticLossScale(2.0**-12), jmp_amp.DynamicLossScale(2.0**-20, min_loss_scale=2.0**-30),
+    jmp_amp.DynamicLossScale(3.0)], ids=str)
+def test_gpu_finite_check_agrees_with_all_finite(loss_scale):
+  # The check loss_scaling compiles for GPUs (row sums of x * 0 and row
+  # maxima, unscaled at the end), run here on the CPU against all_finite of
+  # the unscaled gradients, over leaves of many kinds. Scales below 1 make
+  # the unscale overflow for large finite values; those must count too.
   from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
-  shapes = [(), (3,), (2**15,), (0, 4), (5, 7), (3, 4, 6)]
+  shapes = [(), (3,), (2**15,), (0, 4), (5, 7), (3, 4, 6), (4, 2**14),
+            (3, 2**14 + 1)]
   dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
-  check = jax.jit(scaling_lib._finite_by_partial_sums)  # pylint: disable=protected-access
-  for trial in range(60):
-    tree = {f"{i}": jnp.asarray(rng.normal(size=s) * 1e3, d)
+  # pylint: disable=protected-access
+  check = jax.jit(lambda t: scaling_lib._finite_by_rows(loss_scale, t))
+  reference = jax.jit(
+      lambda t: jmp_amp.all_finite(scaling_lib._unscale(loss_scale, t)))
+  # pylint: enable=protected-access
+  scale = float(jnp.asarray(getattr(loss_scale, "loss_scale", 1.0)))
+  magnitude = 1e3 * min(1.0, scale)  # clean trials stay finite unscaled.
+  overflows = 0
+  for trial in range(24):
+    tree = {f"{i}": jnp.asarray(rng.normal(size=s) * magnitude, d)
             for i, (s, d) in enumerate(zip(shapes, rng.permutation(
                 dtypes * 2)[:len(shapes)]))}
     tree["ints"] = jnp.arange(3)
-    if trial % 3:
-      key = str(rng.choice([k for k in tree if k != "ints" and tree[k].size]))
-      flat = np.array(tree[key]).reshape(-1)
+    key = str(rng.choice([k for k in tree if k != "ints" and tree[k].size]))
+    flat = np.array(tree[key]).reshape(-1)
+    if trial % 3 == 1:
       bad = rng.choice([np.inf, -np.inf, np.nan])
       if np.iscomplexobj(flat) and trial % 2:
         bad = complex(1.0, bad)
       flat[rng.integers(flat.size)] = bad
-      tree[key] = jnp.asarray(flat.reshape(tree[key].shape), tree[key].dtype)
-    assert bool(check(tree)) == bool(jmp_amp.all_finite(tree)), trial
-    assert bool(check(tree)) == (trial % 3 == 0), trial
+    elif trial % 3 == 2:  # finite, but near the top of the leaf's range.
+      big = float(jnp.finfo(flat.dtype).max) * rng.choice([0.5, 1e-3, 1e-6])
+      flat[rng.integers(flat.size)] = -big if trial % 2 else big
+    tree[key] = jnp.asarray(flat.reshape(tree[key].shape), tree[key].dtype)
+    expected = bool(reference(tree))
+    assert bool(check(tree)) == expected, trial
+    if trial % 3 == 1:
+      assert not expected, trial
+    if trial % 3 == 0:
+      assert expected, trial
+    overflows += trial % 3 == 2 and not expected
+  # Only the scales below 1 overflow the large finite values.
+  assert (overflows > 0) == (scale < 1), overflows

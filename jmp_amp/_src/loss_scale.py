@@ -449,7 +449,15 @@ class DynamicLossScale:
     grown = s * self.factor
     # Growth that the dtype cannot hold keeps the scale (as torch does).
     grown = jnp.minimum(jnp.where(grown <= hi, grown, s), cap)
-    finite_scale = jnp.where(counter == self.period - 1, grown, s)
+    # A NaN, inf or non-positive scale cannot recover by the rules here: it
+    # is reset to the floor (below) with the counter.
+    broken = jnp.logical_not(jnp.isfinite(s) & (s > 0))
+    new_counter = jnp.where(grads_finite & jnp.logical_not(broken),
+                            (counter + 1) % self.period, 0)
+    # A finite step wraps the counter to 0 exactly when it reaches the period
+    # (counter == period - 1 for a counter in [0, period)). Reading that from
+    # new_counter lets XLA compute both leaves in one GPU kernel.
+    finite_scale = jnp.where(new_counter == 0, grown, s)
 
     if self.backoff_factor is None:
       reduced = s / self.factor  # jmp's rule.
@@ -467,11 +475,7 @@ class DynamicLossScale:
     nonfinite_scale = jnp.where(back_off, reduced, s)
 
     new_scale = jnp.where(grads_finite, finite_scale, nonfinite_scale)
-    new_counter = jnp.where(grads_finite, (counter + 1) % self.period, 0)
-    # A NaN, inf or non-positive scale cannot recover by the rule above.
-    broken = jnp.logical_not(jnp.isfinite(s) & (s > 0))
     new_scale = jnp.where(broken, floor, new_scale)
-    new_counter = jnp.where(broken, 0, new_counter)
     return _unflatten(self._static(), (new_scale.astype(scale.dtype),
                                        new_counter.astype(counter.dtype),
                                        new_overflows))

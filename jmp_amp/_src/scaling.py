@@ -63,52 +63,70 @@ def _unscale(loss_scale: ls_lib.LossScale, grads):
   return jax.tree_util.tree_map(lambda g: _unscale_leaf(loss_scale, g), grads)
 
 
-def _partial_sums(x: jax.Array) -> jax.Array:
-  """Row sums of ``x * 0`` in float32: zeros, or NaN in a row with inf/NaN.
+# Gradients larger than this are reduced to rows of this length first (one
+# kernel each); XLA:GPU reduces a row of up to 16384 elements in one pass, so
+# the row results of all leaves can be combined by a single reduction.
+_ROW = 2**14
 
-  A sum propagates NaN whatever order it adds in (a max reduction need not),
-  and the multiply fuses into the one reduction kernel that reads `x`.
+
+def _sum_max(a, b):
+  return a[0] + b[0], jnp.maximum(a[1], b[1])
+
+
+def _real_parts(x: jax.Array) -> list[jax.Array]:
+  if jnp.iscomplexobj(x):  # unscaled part by part: check both.
+    return [jnp.real(x), jnp.imag(x)]
+  return [x]
+
+
+def _finite_by_rows(loss_scale: ls_lib.LossScale, tree) -> jax.Array:
+  """Whether every leaf of ``_unscale(loss_scale, tree)`` is finite, on a GPU.
+
+  The unscale can only overflow where ``|g| * inv`` does, and rounding is
+  monotonic, so it is enough to unscale the largest magnitude. Each large
+  leaf is read once by one row reduction that yields both ``sum(g * 0)`` (NaN
+  if the leaf holds an inf or NaN, whatever order it adds in) and ``max |g|``;
+  one more reduction per gradient dtype combines the rows of all leaves, and
+  only its two scalars meet the scale. No full-size temporary is written, and
+  the scalar work after the last reduction fuses with the scale update.
   """
-  z = x * jnp.zeros((), x.dtype)
-  if jnp.iscomplexobj(z):
-    z = jnp.real(z)  # a * 0 - b * 0: NaN if either part is not finite.
-  z = z.astype(jnp.float32)
-  if z.size == 0:
-    return jnp.zeros((0,), jnp.float32)
-  if z.ndim >= 2:
-    return jnp.sum(z.reshape(z.shape[0], -1), axis=1)
-  if z.size > 2**14:
-    return jnp.sum(z).reshape(1)
-  return z.reshape(-1)
-
-
-def _finite_by_partial_sums(tree) -> jax.Array:
-  """`all_finite` in fewer GPU kernels: one row reduction per large leaf.
-
-  The per-leaf row sums (a few thousand numbers) are concatenated and summed
-  once; the barrier keeps XLA from splitting that sum back into one
-  reduction per leaf.
-  """
-  parts = [_partial_sums(x) for x in jax.tree_util.tree_leaves(tree)
-           if _is_inexact(x)]
-  if not parts:
-    return jnp.array(True)
-  flat = jax.lax.optimization_barrier(jnp.concatenate(parts))
-  return jnp.isfinite(jnp.sum(flat))
+  groups: dict[Any, tuple[list, list]] = {}
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if not _is_inexact(leaf) or leaf.size == 0:
+      continue
+    for x in _real_parts(leaf):
+      zero = jnp.zeros((), x.dtype)
+      if x.size > _ROW and x.size % _ROW == 0:
+        rows = x.reshape(-1, _ROW)
+        sums, maxima = jax.lax.reduce((rows * zero, jnp.abs(rows)),
+                                      (zero, zero), _sum_max, (1,))
+      else:
+        sums, maxima = x.reshape(-1) * zero, jnp.abs(x.reshape(-1))
+      group = groups.setdefault(x.dtype, ([], []))
+      group[0].append(sums)
+      group[1].append(maxima)
+  finite = jnp.array(True)
+  for dtype, (sums, maxima) in groups.items():
+    zero = jnp.zeros((), dtype)
+    total, largest = jax.lax.reduce(
+        (jnp.concatenate(sums), jnp.concatenate(maxima)), (zero, zero),
+        _sum_max, (0,))
+    finite &= jnp.isfinite(total) & jnp.isfinite(
+        _unscale_leaf(loss_scale, largest))
+  return finite
 
 
 def _unscaled_finite(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
   """Whether every leaf of ``_unscale(loss_scale, grads)`` is finite.
 
-  The unscale fuses into the check's reductions (one read of each gradient,
-  no unscaled copy written), and an unscale that overflows (a scale below 1)
-  counts as non-finite, as it would reach the optimizer. On CPU the check is
-  `all_finite` (XLA:CPU writes ``x * 0`` out before a sum); elsewhere it is
-  `_finite_by_partial_sums`, which compiles to fewer kernels on a GPU.
+  An unscale that overflows (a scale below 1) counts as non-finite, as it
+  would reach the optimizer. On CPU the check is `all_finite` of the unscaled
+  gradients (fused: no unscaled copy is written); elsewhere it is
+  `_finite_by_rows`, which compiles to fewer kernels on a GPU.
   """
-  unscaled = _unscale(loss_scale, grads)
   return jax.lax.platform_dependent(
-      unscaled, cpu=all_finite, default=_finite_by_partial_sums)
+      grads, cpu=lambda g: all_finite(_unscale(loss_scale, g)),
+      default=lambda g: _finite_by_rows(loss_scale, g))
 
 
 def _check_loss_scale(loss_scale: Any) -> None:
@@ -328,13 +346,18 @@ def loss_scaling(inner: optax.GradientTransformation,
     else:
       new_updates, new_inner = _SKIPS[skip_with](
           finite, apply, updates, state.inner_state, params)
+    skipped_steps = state.skipped_steps + jnp.logical_not(finite).astype(
+        jnp.int32)
     return new_updates, LossScalingState(
         loss_scale=loss_scale.adjust(finite),
         inner_state=new_inner,
         grads_finite=finite,
-        skipped_steps=state.skipped_steps + jnp.logical_not(finite).astype(
-            jnp.int32),
-        steps=state.steps + 1)
+        skipped_steps=skipped_steps,
+        # Applied steps (one more if this one is) plus skipped steps: the
+        # same as steps + 1, written from the new skip count so that XLA
+        # updates both counters in one GPU kernel.
+        steps=(state.steps - state.skipped_steps + finite.astype(jnp.int32)
+               + skipped_steps))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
