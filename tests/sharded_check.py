@@ -18,10 +18,14 @@ Checks:
     not finite; without `axis_name` the devices diverge.
   * a sharded state checkpoints and restores (jmp_amp.checkpoint) with its
     shardings, or into other shardings.
+  * the finite check compiled for GPUs (run here on the CPU devices) on
+    gradients sharded along either axis: right answer, including a NaN on
+    one shard, and no gather of the gradients (only small reductions).
 """
 
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -264,6 +268,33 @@ def check_checkpoint(results, mesh, state_sh, state):
         for x in jax.tree_util.tree_leaves(restored))
 
 
+def check_gpu_finite_check(results, mesh):
+  """The GPU finite check on sharded gradients: no gathers, right answer."""
+  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  shapes_specs = [((64, 2048), P(None, "data")), ((2048, 64), P("data")),
+                  ((32, 8, 1024), P(None, None, "data")), ((2**17,), P("data"))]
+  tree = [jax.device_put(jnp.asarray(rng.normal(size=s), jnp.float16),
+                         NamedSharding(mesh, spec)) for s, spec in shapes_specs]
+  ls = jmp_amp.DynamicLossScale(2.0**15)
+  # pylint: disable-next=protected-access
+  check = jax.jit(lambda t: scaling_lib._finite_by_rows(ls, t))
+  hlo = check.lower(tree).compile().as_text()
+  # The number of elements each collective produces (the partial results
+  # the devices exchange): far below a gradient's 2**17 if nothing is
+  # gathered.
+  sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+           for dims in re.findall(
+               r"= \w+\[([\d,]*)\][^ ]* (?:all-gather|all-to-all|"
+               r"collective-permute|all-reduce|reduce-scatter)\(", hlo)]
+  results["gpu_check_collective_sizes"] = sizes
+  results["gpu_check_clean"] = bool(check(tree))
+  bad = np.array(tree[0])
+  bad[5, 2047] = np.nan  # on the last device's shard
+  tree[0] = jax.device_put(jnp.asarray(bad), tree[0].sharding)
+  results["gpu_check_nan_shard"] = bool(check(tree))
+
+
 def main():
   results = {"devices": jax.device_count()}
   if jax.device_count() != NUM_DEVICES:
@@ -271,6 +302,7 @@ def main():
     return 1
   mesh, state_sh, fsdp_state = check_jit(results)
   check_shard_map(results, mesh)
+  check_gpu_finite_check(results, mesh)
   if "--no-checkpoint" not in sys.argv:
     check_checkpoint(results, mesh, state_sh, fsdp_state)
   print(json.dumps(results))

@@ -63,9 +63,9 @@ def _unscale(loss_scale: ls_lib.LossScale, grads):
   return jax.tree_util.tree_map(lambda g: _unscale_leaf(loss_scale, g), grads)
 
 
-# Gradients larger than this are reduced to rows of this length first (one
-# kernel each); XLA:GPU reduces a row of up to 16384 elements in one pass, so
-# the row results of all leaves can be combined by a single reduction.
+# Gradients larger than this are reduced to rows of about this length first
+# (one kernel each); XLA:GPU reduces a row of up to 16384 elements in one
+# pass, so the row results of all leaves can be combined by one reduction.
 _ROW = 2**14
 
 
@@ -77,6 +77,18 @@ def _real_parts(x: jax.Array) -> list[jax.Array]:
   if jnp.iscomplexobj(x):  # unscaled part by part: check both.
     return [jnp.real(x), jnp.imag(x)]
   return [x]
+
+
+def _rows(x: jax.Array) -> jax.Array:
+  """`x` as rows of about `_ROW` elements: ``(rows, k, *x.shape[1:])``.
+
+  Only the leading axis is split (into ``x.shape[0] // k`` groups of ``k``),
+  so a sharding of any axis of `x` is still one of the reshaped array.
+  """
+  inner = x.size // x.shape[0]
+  k = max((d for d in range(1, max(1, _ROW // inner) + 1)
+           if x.shape[0] % d == 0), default=1)
+  return x.reshape((x.shape[0] // k, k) + x.shape[1:])
 
 
 def _finite_by_rows(loss_scale: ls_lib.LossScale, tree) -> jax.Array:
@@ -96,10 +108,11 @@ def _finite_by_rows(loss_scale: ls_lib.LossScale, tree) -> jax.Array:
       continue
     for x in _real_parts(leaf):
       zero = jnp.zeros((), x.dtype)
-      if x.size > _ROW and x.size % _ROW == 0:
-        rows = x.reshape(-1, _ROW)
-        sums, maxima = jax.lax.reduce((rows * zero, jnp.abs(rows)),
-                                      (zero, zero), _sum_max, (1,))
+      if x.size > _ROW:
+        rows = _rows(x)
+        sums, maxima = jax.lax.reduce(
+            (rows * zero, jnp.abs(rows)), (zero, zero), _sum_max,
+            tuple(range(1, rows.ndim)))
       else:
         sums, maxima = x.reshape(-1) * zero, jnp.abs(x.reshape(-1))
       group = groups.setdefault(x.dtype, ([], []))
