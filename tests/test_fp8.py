@@ -6,6 +6,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax
 from flax import nnx
 import hypothesis
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ import pytest
 
 import helpers
 import jmp_amp
+import jmp_amp.flax
 from jmp_amp._src import fp8
 from jmp_amp.flax import fp8 as flax_fp8
 import models
@@ -332,15 +334,43 @@ def test_fp8_module_knobs_state_and_clear():
 
 
 @pytest.mark.parametrize("module,name", [
-    (nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)), "Conv"),
-    (nnx.Einsum("ab,bc->ac", (3, 4), rngs=nnx.Rngs(0)), "Einsum"),
+    (nnx.Embed(8, 4, rngs=nnx.Rngs(0)), "Embed"),
     (nnx.LayerNorm(4, rngs=nnx.Rngs(0)), "LayerNorm"),
+    (nnx.ConvTranspose(3, 4, (3, 3), rngs=nnx.Rngs(0)), "ConvTranspose"),
 ])
 def test_unsupported_module_raises(module, name):
-  with pytest.raises(ValueError, match=rf"FP8 cannot handle module '' of "
-                     rf"type {name}: set_fp8 converts modules with a "
-                     rf"'dot_general' knob"):
+  message = (rf"FP8 cannot handle module '<root>' of type {name}: FP8 "
+             rf"converts modules with a matmul knob \('dot_general', "
+             rf"'einsum_op', 'conv_general_dilated'")
+  with pytest.raises(ValueError, match=message):
     flax_fp8.set_fp8(module, include=["*"])
+  for rules in ({type(module): "float8"}, {"": "fp8"}):
+    with pytest.raises(ValueError, match=message):
+      jmp_amp.flax.set_policies(module, rules)
+  # Nothing was changed before the error.
+  assert jmp_amp.flax.policy_of(module) is None
+
+
+def test_fp8_rules_name_embeddings_and_norms_only_to_raise():
+  gpt = _gpt()
+  with pytest.raises(ValueError, match="FP8 cannot handle module 'embed' of "
+                     "type Embed"):
+    jmp_amp.flax.set_policies(gpt, {"embed": "float8", "*": "bf16"})
+  with pytest.raises(ValueError, match="FP8 cannot handle module "
+                     "'ln_f' of type LayerNorm"):
+    jmp_amp.flax.set_policies(gpt, {nnx.LayerNorm: "float8"})
+  # Inherited or by default, they follow the rule's bfloat16 policy.
+  jmp_amp.flax.set_policies(gpt, {"blocks/0": "float8", "*": "float32"})
+  assert str(jmp_amp.flax.policy_of(gpt.blocks[0].ln1)) == "p=f32,c=bf16,o=bf16"
+  assert gpt.blocks[0].ln1.dtype == jnp.bfloat16
+  assert sorted(flax_fp8.fp8_modules(gpt)) == [
+      "blocks/0/attn/qkv", "blocks/0/mlp/fc", "blocks/0/mlp/out"]
+  # linen has no FP8 modules: a clear error instead of a silent bf16.
+  with pytest.raises(ValueError, match="asks for FP8 .'float8'., which "
+                     "jmp_amp.flax applies to NNX models only"):
+    jmp_amp.flax.policied_apply(flax.linen.Dense(2), {"*": "float8"})
+  with pytest.raises(ValueError, match="Rules also accept 'float8'"):
+    jmp_amp.flax.set_policies(gpt, {"*": "float9"})
 
 
 def test_bad_selectors_raise():
@@ -357,6 +387,143 @@ def test_bad_selectors_raise():
   with pytest.raises(ValueError, match="FP8 cannot handle module 'embed' of "
                      "type Embed"):
     flax_fp8.set_fp8(gpt, include=["embed", "blocks/0/mlp/fc"])
+
+
+# --------------------------------------------------------------------------
+# FP8 through set_policies rules.
+
+
+@pytest.mark.parametrize("build,example", [
+    (_mlp, None),
+    (_gpt, None),
+    (_gpt, (jax.ShapeDtypeStruct((2, 8), jnp.int32),)),
+])
+@pytest.mark.parametrize("recipe", [None, fp8.delayed_scaling(history_len=3)])
+def test_rules_convert_the_same_modules_as_set_fp8(build, example, recipe):
+  by_fp8 = flax_fp8.set_fp8(build(), recipe, example_args=example)
+  by_rules = jmp_amp.flax.set_policies(
+      build(), jmp_amp.flax.fp8_rules(recipe), example_args=example)
+  ops = flax_fp8.fp8_modules(by_rules)
+  assert sorted(ops) == sorted(flax_fp8.fp8_modules(by_fp8))
+  assert len(ops) in (2, 6)
+  assert {op.recipe for op in ops.values()} == {
+      flax_fp8._recipe(recipe)}
+  # The same FP8 state (paths, shapes): checkpoints are interchangeable.
+  shapes = lambda m: jax.tree_util.tree_map(
+      jnp.shape, nnx.to_pure_dict(nnx.state(m, flax_fp8.FP8Meta)))
+  assert shapes(by_rules) == shapes(by_fp8)
+  for path, policy in jmp_amp.flax.get_policies(by_rules).items():
+    if path in ops:
+      assert isinstance(policy, flax_fp8.FP8Policy)
+    elif policy is not None:
+      assert isinstance(policy, jmp_amp.Policy), (path, policy)
+
+
+def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
+  model = models.GPT(vocab_size=32, d_model=16, num_heads=2, num_layers=2,
+                     max_len=8, rngs=nnx.Rngs(0))
+  fresh = nnx.graphdef(model)
+  rules = {"blocks/*/mlp": "float8", nnx.LayerNorm: "float32",
+           "*": "mixed_bfloat16"}
+  jmp_amp.flax.set_policies(model, rules)
+  # blocks/1/mlp/out is the model's last matmul module: kept bf16.
+  assert sorted(flax_fp8.fp8_modules(model)) == [
+      "blocks/0/mlp/fc", "blocks/0/mlp/out", "blocks/1/mlp/fc"]
+  attn = model.blocks[0].attn.qkv
+  assert attn.dtype == jnp.bfloat16 and attn.dot_general is jax.lax.dot_general
+  assert model.blocks[0].ln1.dtype == jnp.float32
+  assert str(jmp_amp.flax.policy_of(model.blocks[0].mlp.fc)) == "float8"
+  tokens = jnp.asarray(models.data.token_batch(2, seq_len=8, vocab=32))
+  logits = model(tokens)
+  assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
+  # Applying other rules replaces the FP8 set-up; clearing restores all.
+  jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules())
+  assert flax_fp8.fp8_modules(model) == {}
+  assert model.blocks[0].mlp.fc.dot_general is jax.lax.dot_general
+  assert model.blocks[0].mlp.fc.dtype == jnp.bfloat16
+  jmp_amp.flax.set_policies(model, {"*": "float8"})
+  assert len(flax_fp8.fp8_modules(model)) == 6
+  jmp_amp.flax.clear_policies(model)
+  assert flax_fp8.fp8_modules(model) == {}
+  assert nnx.graphdef(model) == fresh
+
+
+def test_fp8_policy_spellings_and_bad_values():
+  policy = flax_fp8.FP8Policy(fp8.delayed_scaling(8), keep_first_last=False,
+                              param_dtype="bf16")
+  assert str(policy) == ("float8(delayed, history_len=8, "
+                         "keep_first_last=False, param_dtype=bf16)")
+  assert str(policy.policy) == "p=bf16,c=bf16,o=bf16"
+  for value in ("float8", "FP8", fp8.FP8Recipe(), flax_fp8.FP8Policy()):
+    model = jmp_amp.flax.set_policies(_mlp(), {"*": value})
+    assert sorted(flax_fp8.fp8_modules(model)) == ["layers/1", "layers/2"]
+  model = jmp_amp.flax.set_policies(_mlp(), policy)
+  assert len(flax_fp8.fp8_modules(model)) == 4
+  assert model.layers[0].kernel[...].dtype == jnp.bfloat16
+  with pytest.raises(TypeError, match="recipe must be an FP8Recipe"):
+    flax_fp8.FP8Policy("sometimes")
+  with pytest.raises(TypeError, match="keep_first_last must be a bool"):
+    flax_fp8.FP8Policy(keep_first_last="yes")
+
+
+# --------------------------------------------------------------------------
+# nnx.Einsum and nnx.Conv.
+
+
+def _rounded(x):
+  """`x` as an FP8 layer with ``dtype=bfloat16`` sees it: cast to bfloat16,
+  rounded through E4M3 with a per-tensor scale, dequantized in bfloat16."""
+  x = jnp.asarray(x, jnp.bfloat16)
+  scale = fp8.compute_scale(fp8.amax(x), E4M3)
+  return np.asarray(fp8.dequantize(fp8.quantize(x, E4M3, scale), scale),
+                    np.float32)
+
+
+@pytest.mark.parametrize("make,x_shape", [
+    (lambda: nnx.Einsum("btd,dhk->bthk", (8, 2, 4), (2, 4),
+                        rngs=nnx.Rngs(0)), (2, 3, 8)),
+    (lambda: nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)), (2, 6, 6, 3)),
+])
+@pytest.mark.parametrize("how", ["set_fp8", "rules"])
+def test_einsum_and_conv_run_in_fp8(make, x_shape, how):
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(x_shape),
+                  jnp.float32)
+  ref_module = make()
+  module = make()
+  recipe = fp8.delayed_scaling(history_len=2)
+  if how == "set_fp8":
+    flax_fp8.set_fp8(module, recipe, include=["*"])
+  else:
+    jmp_amp.flax.set_policies(module, flax_fp8.FP8Policy(
+        recipe, keep_first_last=False))
+  (op,) = flax_fp8.fp8_modules(module).values()
+  assert type(op) is {nnx.Einsum: flax_fp8.FP8Einsum,
+                      nnx.Conv: flax_fp8.FP8ConvGeneralDilated}[type(make())]
+  y = module(x)
+  assert y.dtype == jnp.bfloat16
+  # Against float32 on the same E4M3-rounded input and kernel, plus the
+  # bias: equal up to the bfloat16 result's and bias's rounding (2**-8
+  # relative each).
+  ref_module.kernel[...] = _rounded(ref_module.kernel[...])
+  expected = ref_module(jnp.asarray(_rounded(x)))
+  np.testing.assert_allclose(np.asarray(y, np.float32), expected,
+                             rtol=2**-7, atol=2**-7 * np.abs(expected).max())
+  # Forward and backward matmuls on FP8 operands; the histories update.
+  grad_fn = flax_fp8.fp8_value_and_grad(
+      lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2))
+  graphdef, state = nnx.split(module)
+  sigs = _f8_signatures(
+      lambda state, x: grad_fn(nnx.merge(graphdef, state), x)[1], state, x)
+  # Forward; backward the kernel gradient and the input gradient (traced
+  # because the histories are differentiated; XLA drops it unused), both
+  # on the E5M2 output gradient.
+  assert sigs["e4m3 x e4m3"] == 1, sigs
+  assert sigs["e5m2 x e4m3"] + sigs["e4m3 x e5m2"] == 2, sigs
+  grad_fn(module, x)
+  # The amax of the input the layer sees (cast to bfloat16 by its dtype).
+  assert float(op.lhs_amax_history[...][0]) == float(
+      jnp.abs(x.astype(jnp.bfloat16)).max())
+  assert float(op.grad_amax_history[...][0]) > 0
 
 
 # --------------------------------------------------------------------------
@@ -398,12 +565,18 @@ def test_delayed_scaling_state_updates_in_jitted_step():
   assert not nnx.state(opt, flax_fp8.FP8Meta)
 
 
-def test_checkpoint_resume_is_bitwise(tmp_path):
+@pytest.mark.parametrize("how", ["set_fp8", "rules"])
+def test_checkpoint_resume_is_bitwise(tmp_path, how):
   checkpoint = pytest.importorskip("jmp_amp.checkpoint")
   recipe = fp8.delayed_scaling(history_len=4)
 
   def fresh():
-    model = flax_fp8.set_fp8(_mlp(), recipe, keep_first_last=False)
+    if how == "set_fp8":
+      model = flax_fp8.set_fp8(_mlp(), recipe, keep_first_last=False)
+    else:
+      model = jmp_amp.flax.set_policies(_mlp(), jmp_amp.flax.fp8_rules(
+          recipe, keep_first_last=False))
+    assert len(flax_fp8.fp8_modules(model)) == 4
     return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
   step = _make_step()
@@ -534,7 +707,7 @@ def _f8_origins_of_dots(closed) -> list[tuple[Any, Any]]:
   None where an operand does not come from FP8.
   """
   passthrough = {"mul", "convert_element_type", "transpose", "reshape",
-                 "broadcast_in_dim", "squeeze", "copy", "neg"}
+                 "broadcast_in_dim", "squeeze", "copy", "neg", "rev"}
   dots = []
 
   def walk(jaxpr, in_origins):
