@@ -319,7 +319,6 @@ _FP8_MATMULS = {
     "dot_general": fp8_lib.autocast_dot_general,
     "conv_general_dilated": fp8_lib.autocast_conv_general_dilated,
 }
-_FP8_NAMES = ("float8", "fp8", "f8")
 
 
 def _is_float(dtype) -> bool:
@@ -788,8 +787,7 @@ def _as_policy(policy_or_dtype: Any
   recipe = None
   if isinstance(policy_or_dtype, fp8_lib.FP8Recipe):
     recipe = policy_or_dtype
-  elif (isinstance(policy_or_dtype, str)
-        and policy_or_dtype.strip().lower() in _FP8_NAMES):
+  elif fp8_lib.is_fp8_name(policy_or_dtype):
     recipe = fp8_lib.FP8Recipe()
   if recipe is not None:
     if recipe.scaling != "current":

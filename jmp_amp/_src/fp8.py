@@ -56,6 +56,14 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES: tuple[np.dtype, ...] = (E4M3, E5M2)
 SCALINGS = ("current", "delayed")
+# Names that mean "FP8 matmuls" where a dtype or policy name is expected
+# (`jmp_amp.autocast`, Flax rules, `make_train_step(autocast=...)`).
+FP8_NAMES = ("float8", "fp8", "f8")
+
+
+def is_fp8_name(value: Any) -> bool:
+  """Whether `value` is a str naming FP8 ("float8", "fp8", "f8", any case)."""
+  return isinstance(value, str) and value.strip().lower() in FP8_NAMES
 
 
 def fp8_max(dtype: Any) -> float:
