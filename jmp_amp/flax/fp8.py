@@ -35,10 +35,10 @@ compute on FP8-rounded values, so the numerics are FP8's; only a third of a
 convolution's FLOPs run on FP8 tensor cores. Einsums and dot_generals get
 FP8 cuBLAS GEMMs forward and backward.
 
-Each `FP8DotGeneral` holds its amax histories as `FP8Meta` variables, so they
-are part of the model's state: they go through `nnx.split`/`nnx.merge`,
-`nnx.jit`, sharding and `jmp_amp.checkpoint` like any other variable, and a
-resumed run continues bitwise.
+Each FP8 op (`FP8DotGeneral`, ...) holds its amax histories as `FP8Meta`
+variables, so they are part of the model's state: they go through
+`nnx.split`/`nnx.merge`, `nnx.jit`, sharding and `jmp_amp.checkpoint` like
+any other variable, and a resumed run continues bitwise.
 
 Updating the histories: the new histories are computed inside the jitted
 step and arrive as the *gradients* of the `FP8Meta` variables, which the step

@@ -40,14 +40,16 @@ model's outputs. Inside the model, each module returns its own policy's
 output dtype (see `jmp_amp.flax.nnx` for what NNX modules can express).
 
 Example:
-  >>> from jmp_amp.flax.rules import mixed_rules
+  >>> from jmp_amp.flax.rules import mixed_rules, resolve_policy
   >>> rules = {"blocks/*/attn": "p=f32,c=bf16,o=f32",
   ...          nnx.LayerNorm: "float32",
   ...          "*": "mixed_bfloat16"}
   >>> str(mixed_rules("float16")["*"])  # norms in float32, the rest f16
   'p=f32,c=f16,o=f16'
-  >>> mixed = {"blocks/*/mlp": "float8", "head": "float32",
-  ...          "*": "mixed_bfloat16"}   # FP8 MLPs, bf16 elsewhere
+  >>> fp8_mlps = {"blocks/*/mlp": "float8", nnx.LayerNorm: "float32",
+  ...             "*": "mixed_bfloat16"}     # FP8 MLPs, bf16 elsewhere
+  >>> str(resolve_policy("blocks/*/mlp", fp8_mlps["blocks/*/mlp"]))
+  'float8'
 """
 
 from __future__ import annotations
