@@ -13,7 +13,9 @@ from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
 from jmp_amp._src.fp8 import delayed_scaling
+from jmp_amp._src.fp8 import fp8_conv_general_dilated
 from jmp_amp._src.fp8 import fp8_dot_general
+from jmp_amp._src.fp8 import fp8_einsum
 from jmp_amp._src.fp8 import FP8Recipe
 from jmp_amp._src.fp8 import FP8State
 from jmp_amp._src.gpu_target import gpu_report
@@ -59,7 +61,9 @@ __all__ = (
     "conv_general_dilated",
     "delayed_scaling",
     "dot_general",
+    "fp8_conv_general_dilated",
     "fp8_dot_general",
+    "fp8_einsum",
     "get_loss_scale",
     "get_policy",
     "get_scaling_state",

@@ -50,7 +50,8 @@ import jmp_amp
 SCHEMA = "jmp_amp.bench/1"
 
 # name -> (policy string or None, loss scale maker or None, matmul precision,
-#          autocast policy or None)
+#          autocast policy or None; "float8" = FP8 matmuls: the policy through
+#          `jmp_amp.flax.fp8_rules`, autocast through `jmp_amp.autocast`)
 JAX_MODES: dict[str, dict[str, Any]] = {
     "float32": dict(policy="float32", scale=None),
     "float32-highest": dict(policy="float32", scale=None, precision="highest"),
@@ -59,7 +60,11 @@ JAX_MODES: dict[str, dict[str, Any]] = {
     "fp16-noscale": dict(policy="mixed_float16", scale=None),
     "autocast-bf16": dict(autocast="p=f32,c=bf16,o=f32", scale=None),
     "autocast-fp16": dict(autocast="p=f32,c=f16,o=f32", scale="dynamic"),
+    "fp8": dict(policy="float8", scale=None),
+    "autocast-fp8": dict(autocast="float8", scale=None),
 }
+FP8_MODES = tuple(name for name, mode in JAX_MODES.items()
+                  if "float8" in (mode.get("policy"), mode.get("autocast")))
 DEFAULT_MODES = ("float32", "float32-highest", "bf16", "fp16", "fp16-noscale")
 # The recipe's three PyTorch modes; both AMP rows autocast to float16, as the
 # recipe does (the row's matmuls cell says the dtype autocast really used).
@@ -125,7 +130,10 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
 
-  if mode.get("policy") not in (None, "float32"):
+  if mode.get("policy") == "float8":
+    # FP8 matmuls but the first and last, norms float32, the rest bf16.
+    jflax.set_policies(model, jflax.fp8_rules())
+  elif mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
     jflax.set_policies(model, jflax.mixed_rules(half))
   tx = jmp_amp.loss_scaling(tx, _loss_scale_for(mode, init_scale))
@@ -317,6 +325,11 @@ def finish_jax_mode(prep: _Prepared, isolated: bool) -> dict[str, Any]:
   median = statistics.median(prep.repeat_medians)
   summary = dict(prep.report.summary(),
                  input_dtypes=sorted(prep.report.input_dtypes()))
+  if prep.name in FP8_MODES:
+    # The lowered program rounds operands to FP8 and multiplies them in
+    # bfloat16; only XLA:GPU on Hopper fuses that into FP8 GEMMs.
+    summary["fp8"] = ("emulated" if jax.default_backend() == "cpu"
+                      else "qdq")
   return dict(
       status="ok", framework="jax", compile_s=prep.compile_s,
       total_s=prep.total_s,
@@ -481,8 +494,13 @@ def _matmul_cell(matmuls: Any) -> str:
     used = matmuls["autocast_dtype"]
     return ("torch float32, no autocast" if used == "float32"
             else f"torch autocast, really ran {used}")
-  return ", ".join(f"{v} x {k}"
+  cell = ", ".join(f"{v} x {k}"
                    for k, v in matmuls.get("by_signature", {}).items())
+  if matmuls.get("fp8") == "emulated":
+    return f"FP8 emulated (E4M3/E5M2-rounded operands): {cell}"
+  if matmuls.get("fp8"):
+    return f"FP8 as quantize-dequantize: {cell}"
+  return cell
 
 
 def _memory_cell(r: dict[str, Any], value: Optional[float], spec: str) -> str:
@@ -607,6 +625,10 @@ CPU_NOTE = ("Note: this ran on a CPU, where XLA has no fast half-precision "
             "matmul, so half precision is not expected to be faster here; "
             "the speed-ups are for GPUs. The matmul dtypes and the memory "
             "column still show what each mode compiles to.")
+FP8_NOTE = ("FP8 modes ({modes}) are emulated here: operands are rounded to "
+            "FP8 (E4M3 forward, E5M2 gradients) and multiplied in bfloat16, "
+            "so the numerics are FP8's but the speed is not; `--target h100` "
+            "shows the FP8 GEMMs XLA emits for a Hopper GPU.")
 
 
 def format_report(runs: list[dict[str, Any]], env: dict[str, Any],
@@ -644,6 +666,12 @@ def format_report(runs: list[dict[str, Any]], env: dict[str, Any],
   out.append(_wrap(verdict(runs), width, "  "))
   if env.get("platform") == "cpu":
     out.append(_wrap(CPU_NOTE, width, "  "))
+    fp8_rows = [r["mode"] for r in runs if r.get("status") == "ok"
+                and isinstance(r.get("matmuls"), dict)
+                and r["matmuls"].get("fp8")]
+    if fp8_rows:
+      out.append(_wrap(FP8_NOTE.format(modes=", ".join(fp8_rows)), width,
+                       "  "))
   for r in runs:
     if r.get("status") != "ok":
       out.append(_wrap(f"FAILED {r['mode']}: {r.get('error', '')}", width,

@@ -70,8 +70,12 @@ def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any
   flops = summary["gemm_flops_by_input_dtype"]
   total = sum(flops.values())
   half = sum(v for k, v in flops.items() if k in ("bf16", "f16"))
+  # "float8_e4m3fn", or "float8_e5m2 x float8_e4m3fn" (backward GEMMs).
+  fp8 = sum(v for k, v in flops.items()
+            if all(part.startswith("float8") for part in k.split(" x ")))
   return dict(mode=name, status="ok", half_gemm_flops=half / total if total
-              else None, **summary)
+              else None, fp8_gemm_flops=fp8 / total if total else None,
+              **summary)
 
 
 RATIO_KEYS = ("temp_bytes", "argument_bytes", "bytes_estimate", "kernels")
@@ -110,19 +114,25 @@ def _ratio(x: Optional[float]) -> str:
   return "-" if x is None else f"{x:.2f}"
 
 
-COLUMNS = ("mode", "GEMMs by dtype", "half FLOPs", "kernels", "temp MiB",
-           "temp ratio", "args MiB", "bytes est MiB", "bytes ratio")
+COLUMNS = ("mode", "GEMMs by dtype", "half FLOPs", "FP8 FLOPs", "kernels",
+           "temp MiB", "temp ratio", "args MiB", "bytes est MiB",
+           "bytes ratio")
+
+
+def _percent(x: Optional[float]) -> str:
+  return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def table(rows: list[dict[str, Any]]) -> list[list[str]]:
   out = []
   for r in rows:
     if r["status"] != "ok":
-      out.append([r["mode"], f"FAILED: {r['error'][:80]}"] + [""] * 7)
+      out.append([r["mode"], f"FAILED: {r['error'][:80]}"]
+                 + [""] * (len(COLUMNS) - 2))
       continue
     gemms = ", ".join(f"{n} x {s}" for s, n in r["gemms_by_dtype"].items())
-    half = r["half_gemm_flops"]
-    out.append([r["mode"], gemms, "-" if half is None else f"{100 * half:.0f}%",
+    out.append([r["mode"], gemms, _percent(r["half_gemm_flops"]),
+                _percent(r.get("fp8_gemm_flops")),
                 f"{r['kernels']}", _mib(r["temp_bytes"]),
                 _ratio(r["temp_bytes_vs_float32"]), _mib(r["argument_bytes"]),
                 _mib(r["bytes_estimate"]), _ratio(r["bytes_estimate_vs_float32"])])

@@ -182,7 +182,7 @@ def test_compare_torch_same_weights_and_batches(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--policy", "fp8"], "invalid choice: 'fp8'"),
+    (["--policy", "fp4"], "invalid choice: 'fp4'"),
     (["--width", "0"], "expected a positive integer, got 0"),
     (["--batch-size", "x"], "expected a positive integer, got 'x'"),
     (["--model", "vgg"], "invalid choice: 'vgg'"),
@@ -303,3 +303,26 @@ def test_repeats_train_the_same_steps_each_time(tmp_path):
   assert a["loss_scale"] == b["loss_scale"]
   assert len(b["repeat_median_step_s"]) == 3
   assert re.fullmatch(r"[0-9.]+", f"{b['step_spread']}")
+
+
+def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
+  path = tmp_path / "fp8.jsonl"
+  assert bench.main(["bench", *TINY, "--policy", "float32", "--policy",
+                     "fp8", "--policy", "autocast-fp8", "--json",
+                     str(path)]) == 0
+  f32, rules, autocast = _read(path)
+  for r in (rules, autocast):
+    assert r["status"] == "ok", r.get("error")
+    assert set(r) == RUN_KEYS
+    # FP8 rounds operands and multiplies them in bfloat16 on the CPU.
+    assert r["matmuls"]["fp8"] == "emulated"
+    assert r["matmuls"]["input_dtypes"] == ["bf16"], r["matmuls"]
+    assert r["loss_scale"] is None and r["skipped_steps"] == 0
+    # Same data and steps: a tiny MLP (MSE on random targets) ends within
+    # 5 % of float32's loss (measured: under 1 %).
+    assert r["final_loss"] == pytest.approx(f32["final_loss"], rel=0.05)
+    assert r["final_loss"] != f32["final_loss"]
+  text = _report([f32, rules, autocast], 250)
+  assert "FP8 emulated (E4M3/E5M2-rounded operands): 8 x bf16 x bf16" in text
+  assert "FP8 modes (fp8, autocast-fp8) are emulated here" in " ".join(
+      text.split())

@@ -161,3 +161,32 @@ def test_bench_target_h100_table_and_json(tmp_path, capsys):
   assert f32["gemms_by_dtype"] == {"f32 x f32 -> f32": 8}
   assert bf16["half_gemm_flops"] == 1.0 and bf16["gemms"] == 8
   assert bf16["argument_bytes"] == f32["argument_bytes"]  # f32 master params
+
+
+def test_bench_target_h100_fp8_modes_count_the_f8_gemms(tmp_path, capsys):
+  _target_or_skip()
+  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "fp8.jsonl"
+  assert bench.main(["bench", "--target", "h100", "--width", "64",
+                     "--batch-size", "16", "--policy", "fp8",
+                     "--policy", "autocast-fp8", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "FP8 FLOPs" in text
+  assert "1 x float8_e4m3fn x float8_e4m3fn -> bf16" in text
+  rules, autocast = [json.loads(line) for line in
+                     out.read_text().splitlines()]
+  # fp8_rules keep the first and last of the 3 layers in bf16: the middle
+  # layer's forward, input-gradient and weight-gradient GEMMs are FP8.
+  assert rules["gemms_by_dtype"] == {
+      "bf16 x bf16 -> bf16": 5, "float8_e4m3fn x float8_e4m3fn -> bf16": 1,
+      "float8_e5m2 x float8_e4m3fn -> bf16": 1,
+      "float8_e4m3fn x float8_e5m2 -> bf16": 1}
+  assert rules["fp8_gemm_flops"] == pytest.approx(3 / 8)
+  # autocast float8 takes every float32 matmul (the first layer's input
+  # gradient is not computed).
+  assert autocast["gemms_by_dtype"] == {
+      "float8_e4m3fn x float8_e4m3fn -> bf16": 3,
+      "float8_e4m3fn x float8_e5m2 -> bf16": 3,
+      "float8_e5m2 x float8_e4m3fn -> bf16": 2}
+  assert autocast["fp8_gemm_flops"] == 1.0
+  assert autocast["half_gemm_flops"] == 0.0

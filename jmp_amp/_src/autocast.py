@@ -11,7 +11,9 @@ primitive from `AutocastRules`:
   cuDNN, TPU and XLA:CPU all do), and as the result is half, the cotangents
   of the backward pass are half too: the backward GEMMs stay in half. A matmul
   whose operands were already half when traced runs as written (keeping its
-  preferred_element_type): that makes autocast idempotent.
+  preferred_element_type): that makes autocast idempotent. With
+  ``"float8"`` the float32 matmuls run in FP8 instead (E4M3 operands, E5M2
+  gradients, bfloat16 results; see `autocast`).
 * float32 list (exp, log, reductions, cumulative sums, rsqrt, pow, erf, ...):
   floating inputs are cast to float32 and the op runs and returns float32.
   Softmax, log-softmax, logsumexp, norm statistics and losses decompose into
@@ -84,6 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_amp._src import dtypes
+from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
 
@@ -307,6 +310,15 @@ DEFAULT_AUTOCAST_RULES = AutocastRules(
 class _Context:
   compute_dtype: np.dtype
   rules: AutocastRules
+  # Set in float8 mode: half-list matmuls of float32 operands run in FP8.
+  fp8: Optional[fp8_lib.FP8Recipe] = None
+
+
+# The matmul primitives float8 mode runs in FP8 (when on the half list).
+_FP8_MATMULS = {
+    "dot_general": fp8_lib.autocast_dot_general,
+    "conv_general_dilated": fp8_lib.autocast_conv_general_dilated,
+}
 
 
 def _is_float(dtype) -> bool:
@@ -453,10 +465,27 @@ def _eval_eqn(ctx: _Context, eqn, invals) -> list:
     strong = [_dtype(x) for x, v in floats if not _is_weak(v)]
     target = _widest(strong) if strong else widest
   elif rule == "half":
+    if ctx.fp8 is not None and _runs_in_fp8(ctx, eqn, invals):
+      return [_FP8_MATMULS[name](*invals, recipe=ctx.fp8, **eqn.params)]
     target = ctx.compute_dtype
   else:
     target = _F32
   return _bind_in(eqn, invals, target)
+
+
+def _runs_in_fp8(ctx: _Context, eqn, invals) -> bool:
+  """Whether float8 mode runs this half-list equation as an FP8 matmul.
+
+  Matmuls with two floating operands traced in float32 do; a matmul the
+  function (or an inner autocast) already wrote in half or FP8 runs as
+  written, as in the half modes.
+  """
+  del ctx
+  preferred = eqn.params.get("preferred_element_type")
+  return (eqn.primitive.name in _FP8_MATMULS and len(invals) == 2
+          and all(_is_float(_dtype(x)) for x in invals)
+          and all(np.dtype(v.aval.dtype).itemsize >= 4 for v in eqn.invars)
+          and (preferred is None or _is_float(preferred)))
 
 
 def _bind_in(eqn, invals, target: np.dtype) -> list:
@@ -752,17 +781,37 @@ _HANDLERS: dict[str, Callable[[_Context, Any, list], list]] = {
 # --------------------------------------------------------------------------
 
 
-def _as_policy(policy_or_dtype: Any) -> Policy:
+def _as_policy(policy_or_dtype: Any
+               ) -> tuple[Policy, Optional[fp8_lib.FP8Recipe]]:
+  """(policy, FP8 recipe or None) for `autocast`'s second argument."""
+  recipe = None
+  if isinstance(policy_or_dtype, fp8_lib.FP8Recipe):
+    recipe = policy_or_dtype
+  elif fp8_lib.is_fp8_name(policy_or_dtype):
+    recipe = fp8_lib.FP8Recipe()
+  if recipe is not None:
+    if recipe.scaling != "current":
+      raise ValueError(
+          "autocast runs FP8 matmuls with current scaling (it keeps no state "
+          f"between calls), got an FP8Recipe with scaling={recipe.scaling!r}."
+          " For delayed scaling use jmp_amp.flax.fp8 (NNX) or "
+          "jmp_amp.fp8_dot_general with an FP8State.")
+    return Policy(_F32, recipe.compute_dtype, _F32), recipe
   if isinstance(policy_or_dtype, (Policy, str)):
-    return get_policy(policy_or_dtype)
+    try:
+      return get_policy(policy_or_dtype), None
+    except ValueError as e:
+      raise ValueError(f"{e} autocast also accepts 'float8' (FP8 matmuls, "
+                       "see jmp_amp.FP8Recipe).") from None
   try:
     compute = dtypes.canonical_float_dtype(policy_or_dtype, "autocast dtype")
   except TypeError:
     raise TypeError(
         "autocast expects a Policy, a policy string (e.g. 'mixed_bfloat16', "
-        "'p=f32,c=f16,o=f32') or a floating dtype (e.g. jnp.bfloat16), got "
+        "'p=f32,c=f16,o=f32'), a floating dtype (e.g. jnp.bfloat16), "
+        "'float8' or an FP8Recipe, got "
         f"{policy_or_dtype!r}") from None
-  return Policy(_F32, compute, _F32)
+  return Policy(_F32, compute, _F32), None
 
 
 def _is_array_leaf(x) -> bool:
@@ -793,6 +842,23 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
   With a compute dtype that is not half (e.g. "float32"), `fn` is called as
   is and only its floating outputs are cast to the output dtype.
 
+  ``"float8"``: the float32 matmuls of the half list (dot_general and
+  conv_general_dilated by default) run through `jmp_amp.fp8_dot_general` /
+  `jmp_amp.fp8_conv_general_dilated` with current scaling (no state): both
+  operands rounded through float8_e4m3fn with per-tensor scales, the output
+  cotangent through float8_e5m2 in the backward pass, results in the
+  recipe's compute dtype (bfloat16). Everything else follows the bfloat16
+  rules, so softmax, norms and reductions stay float32. XLA:GPU on Hopper
+  turns these into FP8 cuBLAS GEMMs and cuDNN convolutions; elsewhere the
+  rounding is emulated in bfloat16. Matmuls already written in half run as
+  written.
+
+  >>> f8_loss = jmp_amp.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)),
+  ...                            "float8")
+  >>> w, x = jnp.full((4, 3), 0.25), jnp.ones((2, 4))
+  >>> round(float(f8_loss(w, x)), 2), jax.grad(f8_loss)(w, x).dtype
+  (4.57, dtype('float32'))
+
   Example:
     >>> import jax, jax.numpy as jnp, jmp_amp
     >>> def apply_fn(w, images):
@@ -809,8 +875,10 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
     fn: any function of pytrees of arrays, traceable by JAX.
     policy_or_dtype: a `Policy`; a policy string, parsed by
       `jmp_amp.get_policy` ("mixed_bfloat16" has bfloat16 outputs,
-      "p=f32,c=bf16,o=f32" float32 ones); or a floating dtype, meaning that
-      compute dtype with float32 outputs.
+      "p=f32,c=bf16,o=f32" float32 ones); a floating dtype, meaning that
+      compute dtype with float32 outputs; or ``"float8"`` (also "fp8",
+      "f8") or a current-scaling `jmp_amp.FP8Recipe`: FP8 matmuls (see
+      below) with float32 outputs.
     rules: the `AutocastRules`; default `DEFAULT_AUTOCAST_RULES`.
 
   Returns:
@@ -824,16 +892,16 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
   if not callable(fn):
     raise TypeError(f"autocast expects a callable fn, got "
                     f"{type(fn).__name__}: {fn!r}")
-  policy = _as_policy(policy_or_dtype)
+  policy, fp8_recipe = _as_policy(policy_or_dtype)
   if rules is None:
     rules = DEFAULT_AUTOCAST_RULES
   elif not isinstance(rules, AutocastRules):
     raise TypeError(f"rules must be an AutocastRules, got {rules!r}")
-  ctx = _Context(np.dtype(policy.compute_dtype), rules)
+  ctx = _Context(np.dtype(policy.compute_dtype), rules, fp8_recipe)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    if policy.compute_dtype not in _HALF_DTYPES:
+    if fp8_recipe is None and policy.compute_dtype not in _HALF_DTYPES:
       return policy.cast_to_output(fn(*args, **kwargs))
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array_leaf(leaf)]

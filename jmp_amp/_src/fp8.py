@@ -56,6 +56,14 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES: tuple[np.dtype, ...] = (E4M3, E5M2)
 SCALINGS = ("current", "delayed")
+# Names that mean "FP8 matmuls" where a dtype or policy name is expected
+# (`jmp_amp.autocast`, Flax rules, `make_train_step(autocast=...)`).
+FP8_NAMES = ("float8", "fp8", "f8")
+
+
+def is_fp8_name(value: Any) -> bool:
+  """Whether `value` is a str naming FP8 ("float8", "fp8", "f8", any case)."""
+  return isinstance(value, str) and value.strip().lower() in FP8_NAMES
 
 
 def fp8_max(dtype: Any) -> float:
@@ -307,6 +315,54 @@ def _qdq_output_grad_bwd(recipe, history, g):
 qdq_output_grad.defvjp(_qdq_output_grad_fwd, _qdq_output_grad_bwd)
 
 
+def _check_operands(what: str, lhs, rhs) -> tuple[jax.Array, jax.Array]:
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{what} needs floating operands, got {name} of dtype "
+                      f"{x.dtype}")
+  return lhs, rhs
+
+
+def _check_state(what: str, state: Optional[FP8State],
+                 recipe: FP8Recipe) -> FP8State:
+  if not isinstance(recipe, FP8Recipe):
+    raise TypeError(f"{what}: recipe must be an FP8Recipe, got {recipe!r}")
+  if state is None:
+    if recipe.scaling == "delayed":
+      raise ValueError(f"{what} with delayed scaling needs state= (an "
+                       f"FP8State carried between steps); got None")
+    return init_state(recipe)
+  for name, h in zip(FP8State._fields, state):
+    if jnp.shape(h) != (recipe.history_len,):
+      raise ValueError(f"state.{name} must have shape "
+                       f"({recipe.history_len},) for history_len="
+                       f"{recipe.history_len}, got {jnp.shape(h)}")
+  return state
+
+
+def _fp8_matmul(what: str, op, lhs, rhs, state, recipe,
+                preferred_element_type):
+  """``op(lhs, rhs)`` on FP8-rounded operands, with an FP8-rounded cotangent.
+
+  `op` is a bilinear matmul (dot_general, a convolution, a two-operand
+  einsum) that takes the dequantized operands. Its backward matmuls are
+  JAX's transposes of `op`, fed the E5M2-rounded output cotangent.
+  """
+  lhs, rhs = _check_operands(what, lhs, rhs)
+  state = _check_state(what, state, recipe)
+  y = op(qdq_operand(recipe, lhs, state.lhs),
+         qdq_operand(recipe, rhs, state.rhs))
+  y = qdq_output_grad(recipe, y, state.grad)
+  if preferred_element_type is not None:
+    y = y.astype(preferred_element_type)
+  return y
+
+
+def _sharding_kwargs(out_sharding) -> dict:
+  return {} if out_sharding is None else {"out_sharding": out_sharding}
+
+
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                     precision=None, preferred_element_type=None, *,
                     state: Optional[FP8State] = None,
@@ -342,34 +398,104 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       do not have ``recipe.history_len`` entries.
     TypeError: non-floating operands.
   """
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  for name, x in (("lhs", lhs), ("rhs", rhs)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"fp8_dot_general needs floating operands, got {name} "
-                      f"of dtype {x.dtype}")
-  if state is None:
-    if recipe.scaling == "delayed":
-      raise ValueError("fp8_dot_general with delayed scaling needs state= "
-                       "(an FP8State carried between steps); got None")
-    state = init_state(recipe)
-  for name, h in zip(FP8State._fields, state):
-    if jnp.shape(h) != (recipe.history_len,):
-      raise ValueError(f"state.{name} must have shape "
-                       f"({recipe.history_len},) for history_len="
-                       f"{recipe.history_len}, got {jnp.shape(h)}")
-  lhs_q = qdq_operand(recipe, lhs, state.lhs)
-  rhs_q = qdq_operand(recipe, rhs, state.rhs)
-  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-  y = lax.dot_general(lhs_q, rhs_q, dimension_numbers, precision=precision,
-                      **kwargs)
-  y = qdq_output_grad(recipe, y, state.grad)
-  if preferred_element_type is not None:
-    y = y.astype(preferred_element_type)
-  return y
+  def op(a, b):
+    return lax.dot_general(a, b, dimension_numbers, precision=precision,
+                           **_sharding_kwargs(out_sharding))
+  return _fp8_matmul("fp8_dot_general", op, lhs, rhs, state, recipe,
+                     preferred_element_type)
+
+
+def fp8_conv_general_dilated(
+    lhs: jax.Array, rhs: jax.Array, window_strides, padding,
+    lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+    feature_group_count: int = 1, batch_group_count: int = 1,
+    precision=None, preferred_element_type=None, *,
+    state: Optional[FP8State] = None, recipe: FP8Recipe = FP8Recipe(),
+    out_sharding=None) -> jax.Array:
+  """`lax.conv_general_dilated` with FP8 operands and FP8 gradients.
+
+  The FP8 recipe of `fp8_dot_general` applied to a convolution: input and
+  kernel rounded through E4M3, the output cotangent through E5M2. Compiled
+  for an H100 (XLA:GPU, jax 0.10.2), the forward convolution becomes one
+  cuDNN graph convolution (``__cudnn$convForwardGraph``) with
+  ``f8e4m3fn`` operands and the scales folded in; see
+  ``benchmarks/fp8_h100.py`` for what the backward convolutions become.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> x, w = jnp.ones((1, 2, 4, 4)), jnp.full((3, 2, 3, 3), 0.5)
+    >>> y = fp8.fp8_conv_general_dilated(x, w, (1, 1), "VALID")
+    >>> y.dtype, y.shape, float(y[0, 0, 0, 0])
+    (dtype(bfloat16), (1, 3, 2, 2), 9.0)
+
+  Args:
+    lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+      dimension_numbers, feature_group_count, batch_group_count, precision,
+      preferred_element_type, out_sharding: as for
+      `lax.conv_general_dilated`.
+    state, recipe: as for `fp8_dot_general`.
+
+  Returns:
+    The convolution's result (``preferred_element_type`` if given, else the
+    recipe's compute dtype).
+  """
+  def op(a, b):
+    return lax.conv_general_dilated(
+        a, b, window_strides, padding, lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count, precision=precision,
+        **_sharding_kwargs(out_sharding))
+  return _fp8_matmul("fp8_conv_general_dilated", op, lhs, rhs, state, recipe,
+                     preferred_element_type)
+
+
+def fp8_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
+               precision=None, preferred_element_type=None,
+               state: Optional[FP8State] = None,
+               recipe: FP8Recipe = FP8Recipe(),
+               out_sharding=None) -> jax.Array:
+  """Two-operand `jnp.einsum` with FP8 operands and FP8 gradients.
+
+  Takes the arguments `nnx.Einsum` passes its ``einsum_op`` knob. The
+  einsum's contraction lowers to ``dot_general`` (plus transposes), which
+  XLA:GPU turns into FP8 GEMMs like those of `fp8_dot_general`.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+    >>> y = fp8.fp8_einsum("ab,bc->ac", x, w)
+    >>> y.dtype, y.tolist()[1]
+    (dtype(bfloat16), [1.5, 1.5, 1.5, 1.5])
+
+  Args:
+    subscripts: the einsum string (two operands).
+    lhs, rhs: the operands.
+    precision, preferred_element_type, out_sharding: as for `jnp.einsum`.
+    state, recipe: as for `fp8_dot_general`.
+
+  Returns:
+    The einsum's result (``preferred_element_type`` if given, else the
+    recipe's compute dtype).
+
+  Raises:
+    ValueError: `subscripts` does not name exactly two operands.
+  """
+  if not isinstance(subscripts, str) or subscripts.split("->")[0].count(
+      ",") != 1:
+    raise ValueError(f"fp8_einsum takes a two-operand einsum string such as "
+                     f"'ab,bc->ac', got {subscripts!r}")
+
+  def op(a, b):
+    return jnp.einsum(subscripts, a, b, precision=precision,
+                      **_sharding_kwargs(out_sharding))
+  return _fp8_matmul("fp8_einsum", op, lhs, rhs, state, recipe,
+                     preferred_element_type)
 
 
 def autocast_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                          precision=None, preferred_element_type=None,
+                         recipe: FP8Recipe = FP8Recipe(),
                          **kwargs) -> jax.Array:
   """Stateless FP8 `dot_general` (current scaling) for op-level autocast.
 
@@ -388,4 +514,32 @@ def autocast_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   """
   del preferred_element_type
   return fp8_dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                         recipe=recipe,
                          out_sharding=kwargs.get("out_sharding"))
+
+
+def autocast_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, *,
+                                  recipe: FP8Recipe = FP8Recipe(),
+                                  preferred_element_type=None,
+                                  **params) -> jax.Array:
+  """Stateless FP8 convolution from a ``conv_general_dilated`` equation.
+
+  ``fp8.autocast_conv_general_dilated(lhs, rhs, **eqn.params)``, the
+  convolution counterpart of `autocast_dot_general`: the result is the
+  recipe's compute dtype.
+
+  Example:
+    >>> from jmp_amp._src import fp8
+    >>> x, w = jnp.ones((1, 2, 4, 4)), jnp.ones((3, 2, 3, 3))
+    >>> eqn = jax.make_jaxpr(lambda a, b: jax.lax.conv_general_dilated(
+    ...     a, b, (1, 1), "SAME"))(x, w).eqns[0]
+    >>> fp8.autocast_conv_general_dilated(x, w, **eqn.params).dtype
+    dtype(bfloat16)
+  """
+  del preferred_element_type
+  names = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
+           "dimension_numbers", "feature_group_count", "batch_group_count",
+           "precision", "out_sharding")
+  return fp8_conv_general_dilated(
+      lhs, rhs, recipe=recipe,
+      **{k: params[k] for k in names if k in params})

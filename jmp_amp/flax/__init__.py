@@ -9,8 +9,9 @@
   TrainState ``apply_fn``).
 * Train steps (`jmp_amp.flax.train`): `make_train_step` (NNX + nnx.Optimizer),
   `make_linen_train_step` (TrainState), with `jmp_amp.loss_scaling`.
-* FP8 (`jmp_amp.flax.fp8`): `set_fp8(model)` runs Linear layers' matmuls in
-  FP8 (E4M3 forward, E5M2 backward, per-tensor current or delayed scaling);
+* FP8 (`jmp_amp.flax.fp8`): ``"float8"`` as a rule value (`fp8_rules`, or
+  `set_fp8(model)` alone) runs Linear, Einsum and Conv matmuls in FP8 (E4M3
+  forward, E5M2 backward, per-tensor current or delayed scaling);
   `fp8_value_and_grad` updates the scaling state.
 
 Example:
@@ -32,8 +33,12 @@ Not imported by `import jmp_amp`, so the core stays free of Flax.
 
 from jmp_amp.flax import fp8
 from jmp_amp.flax.fp8 import clear_fp8
+from jmp_amp.flax.fp8 import FP8ConvGeneralDilated
 from jmp_amp.flax.fp8 import FP8DotGeneral
+from jmp_amp.flax.fp8 import FP8Einsum
 from jmp_amp.flax.fp8 import FP8Meta
+from jmp_amp.flax.fp8 import FP8Op
+from jmp_amp.flax.fp8 import FP8Policy
 from jmp_amp.flax.fp8 import fp8_histories
 from jmp_amp.flax.fp8 import fp8_modules
 from jmp_amp.flax.fp8 import fp8_value_and_grad
@@ -47,6 +52,7 @@ from jmp_amp.flax.nnx import clear_policies
 from jmp_amp.flax.nnx import get_policies
 from jmp_amp.flax.nnx import policy_of
 from jmp_amp.flax.nnx import set_policies
+from jmp_amp.flax.rules import fp8_rules
 from jmp_amp.flax.rules import mixed_rules
 from jmp_amp.flax.rules import NORM_CLASSES
 from jmp_amp.flax.rules import PolicyRules
@@ -55,8 +61,12 @@ from jmp_amp.flax.train import make_train_step
 from jmp_amp.flax.train import TrainState
 
 __all__ = (
+    "FP8ConvGeneralDilated",
     "FP8DotGeneral",
+    "FP8Einsum",
     "FP8Meta",
+    "FP8Op",
+    "FP8Policy",
     "NORM_CLASSES",
     "PolicyRules",
     "TrainState",
@@ -67,6 +77,7 @@ __all__ = (
     "fp8",
     "fp8_histories",
     "fp8_modules",
+    "fp8_rules",
     "fp8_value_and_grad",
     "get_policies",
     "init_with_policies",

@@ -1,20 +1,44 @@
 """FP8 matmuls for Flax NNX models, applied from outside.
 
-`set_fp8(model)` gives every module with a ``dot_general`` knob (`nnx.Linear`,
-`nnx.LinearGeneral`, or your own module with that knob) an `FP8DotGeneral`:
-an NNX module, set as the knob, that runs the matmul with `float8_e4m3fn`
-operands forward and `float8_e5m2` gradients backward (see
-`jmp_amp._src.fp8`), and sets the module's ``dtype`` knob to the recipe's
-compute dtype (bfloat16), so the layer returns bfloat16. Master weights keep
-their dtype (float32). By default the first and last such modules keep
-their matmul, as FP8 recipes recommend (in call order when `set_fp8` is given
-example inputs, otherwise in path order); norms, softmax, embeddings, the
-loss and anything without a ``dot_general`` knob are never touched.
+Two ways in, one mechanism:
 
-Each `FP8DotGeneral` holds its amax histories as `FP8Meta` variables, so they
-are part of the model's state: they go through `nnx.split`/`nnx.merge`,
-`nnx.jit`, sharding and `jmp_amp.checkpoint` like any other variable, and a
-resumed run continues bitwise.
+* In a rules dict for `jmp_amp.flax.set_policies`, the value ``"float8"``
+  (or an `FP8Policy`, or an `FP8Recipe`) makes the modules a rule decides
+  run their matmuls in FP8, so one dict mixes bfloat16, float32 and FP8
+  modules; `jmp_amp.flax.fp8_rules` is `mixed_rules` with FP8 as the
+  default.
+* `set_fp8(model)` converts the matmul modules alone, leaving every other
+  knob as it is.
+
+A module that can run in FP8 has a matmul knob: ``dot_general``
+(`nnx.Linear`, `nnx.LinearGeneral`, your own module with that knob),
+``einsum_op`` (`nnx.Einsum`) or ``conv_general_dilated`` (`nnx.Conv`). The
+knob gets an NNX module (`FP8DotGeneral`, `FP8Einsum`,
+`FP8ConvGeneralDilated`) that runs the matmul with `float8_e4m3fn` operands
+forward and `float8_e5m2` gradients backward (see `jmp_amp._src.fp8`), and
+the module's ``dtype`` knob becomes the recipe's compute dtype (bfloat16),
+so the layer returns bfloat16. Master weights keep their dtype (float32).
+By default the first and last such modules keep their matmul, as FP8
+recipes recommend (in call order when given example inputs, otherwise in
+path order). Norms, softmax, embeddings, the loss and modules without a
+matmul knob (nnx.Embed, nnx.ConvTranspose) are never FP8: naming one
+explicitly raises. (``einsum_op`` counts on nnx.Einsum only: elsewhere, as in
+an attention module, it multiplies activations several times per step.)
+
+Convolutions: compiled for an H100 (XLA:GPU, jax 0.10.2), an FP8
+convolution's forward pass is one cuDNN graph convolution
+(``__cudnn$convForwardGraph``) with ``f8e4m3fn`` operands and the scales
+folded in, but its two backward convolutions (``__cudnn$convForward`` for
+the input gradient, ``__cudnn$convBackwardFilter`` for the kernel's) take
+bfloat16 operands: XLA fuses FP8 only into forward convolutions. They
+compute on FP8-rounded values, so the numerics are FP8's; only a third of a
+convolution's FLOPs run on FP8 tensor cores. Einsums and dot_generals get
+FP8 cuBLAS GEMMs forward and backward.
+
+Each FP8 op (`FP8DotGeneral`, ...) holds its amax histories as `FP8Meta`
+variables, so they are part of the model's state: they go through
+`nnx.split`/`nnx.merge`, `nnx.jit`, sharding and `jmp_amp.checkpoint` like
+any other variable, and a resumed run continues bitwise.
 
 Updating the histories: the new histories are computed inside the jitted
 step and arrive as the *gradients* of the `FP8Meta` variables, which the step
@@ -40,6 +64,7 @@ rounding, so an overflow is still detected and the step skipped, and
 non-finite amaxes never enter a history.
 
 Example:
+  >>> import jmp_amp.flax
   >>> from jmp_amp import models
   >>> from jmp_amp.flax import fp8
   >>> model = models.MLP(16, 4, num_layers=4, width=32, rngs=nnx.Rngs(0))
@@ -48,10 +73,23 @@ Example:
   ['layers/1', 'layers/2']
   >>> model(jnp.ones((2, 16))).dtype
   dtype('float32')
+
+  The same through rules, with the last layer pinned to float32:
+
+  >>> model = models.MLP(16, 4, num_layers=4, width=32, rngs=nnx.Rngs(0))
+  >>> rules = {"layers/3": "float32", "*": "float8"}
+  >>> model = jmp_amp.flax.set_policies(model, rules)
+  >>> sorted(fp8.fp8_modules(model))   # layers/0: first, kept bfloat16
+  ['layers/1', 'layers/2']
+  >>> str(jmp_amp.flax.policy_of(model.layers[0]))
+  'p=f32,c=bf16,o=bf16'
+  >>> model(jnp.ones((2, 16))).dtype
+  dtype('float32')
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
@@ -61,7 +99,9 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from jmp_amp._src import dtypes as dtypes_lib
 from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src.policy import Policy
 
 # The recipe types, so that this module alone is the FP8 entry point.
 FP8Recipe = fp8_lib.FP8Recipe
@@ -71,7 +111,8 @@ delayed_scaling = fp8_lib.delayed_scaling
 M = TypeVar("M", bound=nnx.Module)
 Selector = Union[str, type]
 
-_KNOB = "dot_general"
+# The matmul knobs FP8 replaces, in the order they are looked for.
+_KNOBS = ("dot_general", "einsum_op", "conv_general_dilated")
 
 
 class FP8Meta(nnx.Variable):
@@ -82,25 +123,26 @@ class FP8Meta(nnx.Variable):
   """
 
 
-class FP8DotGeneral(nnx.Module):
-  """A ``dot_general`` knob value running the matmul in FP8.
+class FP8Op(nnx.Module):
+  """A matmul knob value running its matmul in FP8 (one per module).
 
   Attributes:
-    recipe: the `jmp_amp._src.fp8.FP8Recipe` (static).
+    recipe: the `jmp_amp.FP8Recipe` (static).
     lhs_amax_history, rhs_amax_history, grad_amax_history: `FP8Meta`
       histories of the input, the kernel and the output gradient.
-    original_dot_general, original_dtype: the knobs it replaced (static),
-      restored by `clear_fp8`.
+    original, original_dtype: the knob values it replaced (static),
+      restored when FP8 is removed.
 
   A module called more than once per step (shared weights) would receive the
   sum of its new histories; give each call its own module, or exclude it.
   """
 
+  knob: str = ""  # The module attribute this op is the value of.
+
   def __init__(self, recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe(), *,
-               original_dot_general: Any = lax.dot_general,
-               original_dtype: Any = None):
+               original: Any = None, original_dtype: Any = None):
     self.recipe = recipe
-    self.original_dot_general = original_dot_general
+    self.original = original
     self.original_dtype = original_dtype
     state = fp8_lib.init_state(recipe)
     self.lhs_amax_history = FP8Meta(state.lhs)
@@ -113,12 +155,142 @@ class FP8DotGeneral(nnx.Module):
                             self.rhs_amax_history[...],
                             self.grad_amax_history[...])
 
+
+class FP8DotGeneral(FP8Op):
+  """A ``dot_general`` knob value (nnx.Linear, nnx.LinearGeneral) in FP8.
+
+  See `FP8Op` for its attributes; calls `jmp_amp.fp8_dot_general`.
+  """
+
+  knob = "dot_general"
+
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, out_sharding=None):
     return fp8_lib.fp8_dot_general(
         lhs, rhs, dimension_numbers, precision=precision,
         preferred_element_type=preferred_element_type, state=self.state(),
         recipe=self.recipe, out_sharding=out_sharding)
+
+
+class FP8Einsum(FP8Op):
+  """An ``einsum_op`` knob value (nnx.Einsum) in FP8.
+
+  Calls `jmp_amp.fp8_einsum` with the two operands nnx.Einsum passes.
+  """
+
+  knob = "einsum_op"
+
+  def __call__(self, subscripts, lhs, rhs, precision=None,
+               preferred_element_type=None, out_sharding=None):
+    return fp8_lib.fp8_einsum(
+        subscripts, lhs, rhs, precision=precision,
+        preferred_element_type=preferred_element_type, state=self.state(),
+        recipe=self.recipe, out_sharding=out_sharding)
+
+
+class FP8ConvGeneralDilated(FP8Op):
+  """A ``conv_general_dilated`` knob value (nnx.Conv) in FP8.
+
+  Calls `jmp_amp.fp8_conv_general_dilated`; on an H100 only the forward
+  convolution runs on FP8 operands (see the module docstring).
+  """
+
+  knob = "conv_general_dilated"
+
+  def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
+               rhs_dilation=None, dimension_numbers=None,
+               feature_group_count=1, batch_group_count=1, precision=None,
+               preferred_element_type=None, out_sharding=None):
+    return fp8_lib.fp8_conv_general_dilated(
+        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count, precision=precision,
+        preferred_element_type=preferred_element_type, state=self.state(),
+        recipe=self.recipe, out_sharding=out_sharding)
+
+
+_OP_CLASSES = {cls.knob: cls for cls in (FP8DotGeneral, FP8Einsum,
+                                         FP8ConvGeneralDilated)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Policy:
+  """A rule value for `jmp_amp.flax.set_policies`: FP8 matmuls.
+
+  The modules it decides that have a matmul knob run it in FP8 under
+  `recipe`; every module it decides (those too) follows the policy
+  ``p=param_dtype, c=recipe.compute_dtype, o=recipe.compute_dtype`` for its
+  other knobs, so norms and embeddings that inherit it compute in bfloat16.
+  With `keep_first_last`, the model's first and last matmul modules (in call
+  order when `set_policies` gets ``example_args``, else path order) get only
+  that bfloat16 policy. The string ``"float8"`` in a rule means
+  ``FP8Policy()``, an `FP8Recipe` means ``FP8Policy(recipe)``.
+
+  Example:
+    >>> from jmp_amp.flax import fp8
+    >>> str(fp8.FP8Policy()), str(fp8.FP8Policy(fp8.delayed_scaling(8)))
+    ('float8', 'float8(delayed, history_len=8)')
+    >>> str(fp8.FP8Policy().policy)
+    'p=f32,c=bf16,o=bf16'
+
+  Attributes:
+    recipe: the `jmp_amp.FP8Recipe` (default: current scaling).
+    keep_first_last: leave the model's first and last matmul modules out.
+    param_dtype: storage dtype of the decided modules' parameters.
+  """
+  recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe()
+  keep_first_last: bool = True
+  param_dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    # Not a pytree node (a static rule value), so normalising here is safe.
+    object.__setattr__(self, "recipe", _recipe(self.recipe))
+    if not isinstance(self.keep_first_last, bool):
+      raise TypeError(f"keep_first_last must be a bool, got "
+                      f"{self.keep_first_last!r}")
+    object.__setattr__(self, "param_dtype", dtypes_lib.scalar_type(
+        self.param_dtype, "FP8Policy param_dtype"))
+
+  @property
+  def policy(self) -> Policy:
+    """The `jmp_amp.Policy` for the knobs other than the matmul."""
+    compute = self.recipe.compute_dtype
+    return Policy(self.param_dtype, compute, compute)
+
+  @property
+  def compute_dtype(self) -> Any:
+    return self.policy.compute_dtype
+
+  @property
+  def output_dtype(self) -> Any:
+    return self.policy.output_dtype
+
+  def __str__(self) -> str:
+    parts = []
+    if self.recipe != fp8_lib.FP8Recipe():
+      parts.append(self.recipe.scaling)
+      parts += [f"{f.name}={getattr(self.recipe, f.name)}"
+                for f in dataclasses.fields(self.recipe)
+                if f.name != "scaling" and getattr(self.recipe, f.name)
+                != getattr(fp8_lib.FP8Recipe(), f.name)]
+    if not self.keep_first_last:
+      parts.append("keep_first_last=False")
+    if self.param_dtype != jnp.float32:
+      parts.append(f"param_dtype={dtypes_lib.dtype_name(self.param_dtype)}")
+    return "float8" + (f"({', '.join(parts)})" if parts else "")
+
+
+def as_fp8_policy(value: Any) -> Optional[FP8Policy]:
+  """`value` as an `FP8Policy` if it names FP8 ("float8", a recipe), else None.
+  """
+  if isinstance(value, FP8Policy):
+    return value
+  if isinstance(value, fp8_lib.FP8Recipe):
+    return FP8Policy(value)
+  if fp8_lib.is_fp8_name(value):
+    return FP8Policy()
+  return None
 
 
 # --------------------------------------------------------------------------
@@ -131,9 +303,13 @@ def set_fp8(model: M,
             exclude: Iterable[Selector] = (),
             keep_first_last: bool = True,
             example_args: Optional[tuple] = None) -> M:
-  """Runs the matmuls of `model`'s ``dot_general`` modules in FP8, in place.
+  """Runs the matmuls of `model`'s matmul modules in FP8, in place.
 
-  Calling it again replaces the previous FP8 set-up (with fresh histories).
+  Converts modules with a ``dot_general``, ``einsum_op`` or
+  ``conv_general_dilated`` knob and changes no other module. Calling it
+  again replaces the previous FP8 set-up (with fresh histories). To mix FP8
+  with other policies in one rules dict, use ``"float8"`` rules with
+  `jmp_amp.flax.set_policies` instead (the same conversion).
 
   Example:
     >>> from jmp_amp import models
@@ -154,7 +330,7 @@ def set_fp8(model: M,
       (history of 16 steps).
     include: path glob patterns (``"blocks/*/mlp/*"``) or module classes
       selecting the modules to convert; None selects every module with a
-      ``dot_general`` knob. A selected module without that knob raises.
+      matmul knob. A selected module without one raises.
     exclude: patterns or classes of modules to leave alone (applied after
       `include`).
     keep_first_last: when `include` is None, leave the first and the last
@@ -173,8 +349,8 @@ def set_fp8(model: M,
     TypeError: `model` is not an nnx.Module, a selector is neither a str nor
       a class, or `recipe` is not a recipe.
     ValueError: a selector matches no module, or `include` selects a module
-      FP8 cannot handle (no ``dot_general`` knob, e.g. nnx.Conv, nnx.Einsum,
-      nnx.Embed, a norm).
+      FP8 cannot handle (no matmul knob: nnx.Embed, a norm,
+      nnx.ConvTranspose).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"set_fp8 expects an nnx.Module, got "
@@ -184,11 +360,8 @@ def set_fp8(model: M,
   exclude = _selectors(exclude, "exclude")
   modules = _ordered_modules(model)
   if include is None:
-    chosen = [(p, m) for p, m in modules if _capable(m)]
-    if keep_first_last:
-      if example_args is not None:
-        chosen = _call_order(model, chosen, tuple(example_args))
-      chosen = chosen[1:-1]
+    ends = _end_paths(model, example_args) if keep_first_last else set()
+    chosen = [(p, m) for p, m in modules if _knob(m) and p not in ends]
   else:
     chosen = _select(modules, include, "include")
     for path, module in chosen:
@@ -198,24 +371,27 @@ def set_fp8(model: M,
   for path, module in modules:
     if path in chosen_paths:
       _convert(module, recipe)
-    elif isinstance(getattr(module, _KNOB, None), FP8DotGeneral):
+    else:
       _restore(module)
   return model
 
 
 def clear_fp8(model: M) -> M:
-  """Undoes `set_fp8`: the original ``dot_general`` and ``dtype`` knobs."""
+  """Undoes `set_fp8`: the original matmul and ``dtype`` knobs.
+
+  Modules converted by ``"float8"`` rules lose their FP8 op too; their
+  policies stay (`jmp_amp.flax.clear_policies` removes those).
+  """
   for _, module in _ordered_modules(model):
-    if isinstance(getattr(module, _KNOB, None), FP8DotGeneral):
-      _restore(module)
+    _restore(module)
   return model
 
 
-def fp8_modules(model: nnx.Module) -> dict[str, FP8DotGeneral]:
-  """The `FP8DotGeneral` of each FP8 module, keyed by '/'-joined path."""
-  return {_path_str(p): getattr(m, _KNOB)
-          for p, m in _ordered_modules(model)
-          if isinstance(getattr(m, _KNOB, None), FP8DotGeneral)}
+def fp8_modules(model: nnx.Module) -> dict[str, FP8Op]:
+  """The FP8 op (`FP8DotGeneral`, ...) of each FP8 module, by '/'-joined path.
+  """
+  return {_path_str(p): _fp8_op(m) for p, m in _ordered_modules(model)
+          if _fp8_op(m) is not None}
 
 
 def fp8_histories(model: nnx.Module) -> dict[str, fp8_lib.FP8State]:
@@ -333,42 +509,81 @@ def _select(modules, selectors, name):
   return chosen
 
 
-def _capable(module: nnx.Module) -> bool:
-  knob = getattr(module, _KNOB, None)
-  return (_KNOB in vars(module)
-          and (knob is None or callable(knob))
-          and getattr(module, "dot_general_cls", None) is None)
+def _knob(module: nnx.Module) -> Optional[str]:
+  """The matmul knob FP8 can replace in `module`, or None.
+
+  A knob is a module attribute named in `_KNOBS` holding a callable (or
+  None, Flax's "default"), without a ``<knob>_cls`` factory that would
+  override it (nnx.LinearGeneral's ``dot_general_cls``). ``einsum_op``
+  counts on `nnx.Einsum` only: elsewhere it is typically an attention
+  contraction between activations, called several times per step, which
+  one set of amax histories cannot serve.
+  """
+  attrs = vars(module)
+  for name in _KNOBS:
+    if name == "einsum_op" and not isinstance(module, nnx.Einsum):
+      continue
+    if name in attrs:
+      value = attrs[name]
+      if ((value is None or callable(value))
+          and getattr(module, name + "_cls", None) is None):
+        return name
+  return None
+
+
+def _fp8_op(module: nnx.Module) -> Optional[FP8Op]:
+  name = _knob(module)
+  op = None if name is None else vars(module)[name]
+  return op if isinstance(op, FP8Op) else None
 
 
 def _check_capable(path: tuple, module: nnx.Module) -> None:
-  if not _capable(module):
+  if not _knob(module):
     raise ValueError(
-        f"FP8 cannot handle module {_path_str(path)!r} of type "
-        f"{type(module).__name__}: set_fp8 converts modules with a "
-        f"'dot_general' knob (nnx.Linear, nnx.LinearGeneral) and no "
-        f"'dot_general_cls'; convolutions, einsums, embeddings and norms "
-        f"stay in their policy's dtype. Exclude it or narrow `include`.")
+        f"FP8 cannot handle module {_path_str(path) or '<root>'!r} of type "
+        f"{type(module).__name__}: FP8 converts modules with a matmul knob "
+        f"({', '.join(map(repr, _KNOBS))}: nnx.Linear, nnx.LinearGeneral, "
+        f"nnx.Einsum, nnx.Conv) and no '<knob>_cls' factory; embeddings, "
+        f"norms and nnx.ConvTranspose stay in their policy's dtype. Exclude "
+        f"it, narrow the selection, or give it a non-FP8 policy.")
 
 
 def _convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe) -> None:
-  current = getattr(module, _KNOB)
-  if isinstance(current, FP8DotGeneral):
-    original, dtype = current.original_dot_general, current.original_dtype
+  """Sets `module`'s matmul knob to a fresh FP8 op and its dtype knob."""
+  name = _knob(module)
+  current = vars(module)[name]
+  if isinstance(current, FP8Op):
+    original, dtype = current.original, current.original_dtype
   else:
     original, dtype = current, getattr(module, "dtype", None)
-  op = FP8DotGeneral(recipe, original_dot_general=original,
-                     original_dtype=dtype)
-  setattr(module, _KNOB, nnx.data(op))
+  op = _OP_CLASSES[name](recipe, original=original, original_dtype=dtype)
+  setattr(module, name, nnx.data(op))
   if "dtype" in vars(module):
     setattr(module, "dtype", recipe.compute_dtype)
 
 
 def _restore(module: nnx.Module) -> None:
-  op = getattr(module, _KNOB)
+  """Puts back the knobs an FP8 op replaced (no-op without one)."""
+  op = _fp8_op(module)
+  if op is None:
+    return
   # nnx.static: the attribute became data when it held the FP8 module.
-  setattr(module, _KNOB, nnx.static(op.original_dot_general))
+  setattr(module, op.knob, nnx.static(op.original))
   if "dtype" in vars(module):
     setattr(module, "dtype", op.original_dtype)
+
+
+def _end_paths(model: nnx.Module, example_args: Optional[tuple]
+               ) -> set[tuple]:
+  """Paths of the first and last modules with a matmul knob.
+
+  In the order one abstract ``model(*example_args)`` calls them if
+  `example_args` is given, otherwise in path order.
+  """
+  candidates = [(p, m) for p, m in _ordered_modules(model) if _knob(m)]
+  if example_args is not None:
+    candidates = _call_order(model, candidates, tuple(example_args))
+  return {p for p, _ in candidates[:1] + candidates[-1:]}
 
 
 def _path_str(path: tuple) -> str:
@@ -386,10 +601,10 @@ def _ordered_modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
 
   Path order, not attribute-assignment order: it is the same after
   `nnx.split`/`nnx.merge`, `nnx.eval_shape` or a restore.
-  `FP8DotGeneral` modules themselves are left out.
+  FP8 ops themselves are left out.
   """
   pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)
-           if not isinstance(m, FP8DotGeneral)]
+           if not isinstance(m, FP8Op)]
   return sorted(pairs, key=lambda pm: _path_key(pm[0]))
 
 
@@ -397,33 +612,34 @@ def _call_order(model: nnx.Module, candidates: list, example_args: tuple
                 ) -> list:
   """`candidates` in the order an abstract ``model(*example_args)`` calls them.
 
-  Each candidate's ``dot_general`` knob is swapped, for the duration of one
+  Each candidate's matmul knob is swapped, for the duration of one
   `nnx.eval_shape` pass, for a wrapper that records the module's path.
   Candidates the pass does not call go last, in path order.
   """
   calls: list[tuple] = []
+  defaults = {"dot_general": lax.dot_general, "einsum_op": jnp.einsum,
+              "conv_general_dilated": lax.conv_general_dilated}
 
   def recorder(path, original):
-    original = lax.dot_general if original is None else original
-
-    def dot_general(*args, **kwargs):
+    def record(*args, **kwargs):
       if path not in calls:
         calls.append(path)
       return original(*args, **kwargs)
-    return dot_general
+    return record
 
-  saved = [(m, getattr(m, _KNOB)) for _, m in candidates]
+  saved = [(m, _knob(m), vars(m)[_knob(m)]) for _, m in candidates]
   try:
-    for path, module in candidates:
-      current = getattr(module, _KNOB)
-      if isinstance(current, FP8DotGeneral):
-        current = current.original_dot_general
-      setattr(module, _KNOB, nnx.static(recorder(path, current)))
+    for (path, module), (_, name, current) in zip(candidates, saved):
+      if isinstance(current, FP8Op):
+        current = current.original
+      if current is None:
+        current = defaults[name]
+      setattr(module, name, nnx.static(recorder(path, current)))
     nnx.eval_shape(lambda m, *a: m(*a), model, *example_args)
   finally:
-    for module, knob in saved:
-      setattr(module, _KNOB,
-              nnx.data(knob) if isinstance(knob, FP8DotGeneral) else knob)
+    for module, name, knob in saved:
+      setattr(module, name,
+              nnx.data(knob) if isinstance(knob, FP8Op) else knob)
   rank = {p: i for i, p in enumerate(calls)}
   return sorted(candidates, key=lambda pm: (rank.get(pm[0], len(rank)),
                                             _path_key(pm[0])))

@@ -144,7 +144,7 @@ class _Plan:
 def _plan_for(call: Callable[[], Any], rules: Any, *, strict: bool,
               abstract: bool = True) -> tuple[_Plan, Any]:
   """Runs `call` (abstractly if `abstract`) recording its modules."""
-  ruleset = rules_lib.validate_rules(rules)
+  ruleset = rules_lib.validate_rules(rules, fp8=False)
   modules: dict[Path, nn.Module] = {}
   with nn.intercept_methods(_record(modules)):
     out = jax.eval_shape(call) if abstract else call()
@@ -244,7 +244,7 @@ def policied_apply(module: nn.Module, rules: Any, *, strict: bool = False
     >>> apply_fn(variables, jnp.ones((1, 3))).dtype
     dtype('float16')
   """
-  rules_lib.validate_rules(rules)
+  rules_lib.validate_rules(rules, fp8=False)
 
   @functools.wraps(module.apply)
   def apply_fn(variables, *args, **kwargs):

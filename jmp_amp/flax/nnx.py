@@ -74,6 +74,7 @@ import numpy as np
 from jmp_amp import Policy
 from jmp_amp._src import ops
 from jmp_amp.flax import _common
+from jmp_amp.flax import fp8 as fp8_lib
 from jmp_amp.flax import rules as rules_lib
 
 M = TypeVar("M", bound=nnx.Module)
@@ -96,21 +97,31 @@ _MATMUL_KNOBS = (
 
 @dataclasses.dataclass(frozen=True)
 class _Applied:
-  """What `set_policies` did to one module (a static, hashable attribute)."""
-  policy: Policy
+  """What `set_policies` did to one module (a static, hashable attribute).
+
+  `policy` is an `FP8Policy` when the module's matmul was made FP8 (`fp8`),
+  else the `Policy` its knobs follow.
+  """
+  policy: Any
   cast_output: bool
   originals: tuple[tuple[str, Any], ...]
+  fp8: bool = False
 
 
 # --------------------------------------------------------------------------
 # Public API.
 
 
-def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
+def set_policies(model: M, rules: Any, *, strict: bool = False,
+                 example_args: Optional[tuple] = None) -> M:
   """Applies per-module policies to an NNX model in place.
 
   Calling it again replaces the previous policies (modules that no rule
   matches any more get their original knobs back).
+
+  A rule whose value is ``"float8"`` (an `jmp_amp.flax.fp8.FP8Policy`)
+  runs the matmul modules it decides in FP8 and everything else it decides
+  in bfloat16; see `jmp_amp.flax.fp8` and `jmp_amp.flax.fp8_rules`.
 
   Example:
     >>> import jmp_amp.flax
@@ -130,6 +141,11 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
       module (optional rules, e.g. the norm rules of `mixed_rules`, never
       complain) or a module cannot follow its policy (no knobs, own Params
       and no `cast_boundary` method).
+    example_args: inputs (arrays or `jax.ShapeDtypeStruct`) for one
+      abstract call ``model(*example_args)`` that finds the call order of
+      the matmul modules, for FP8 rules that keep the first and last in
+      bfloat16; without it they are taken in path order, as by
+      `jmp_amp.flax.set_fp8`.
 
   Returns:
     `model`, for chaining.
@@ -137,7 +153,9 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
   Raises:
     TypeError: `model` is not an nnx.Module or a rule key is not a module
       class or str.
-    ValueError: a rule value is not a policy, a pattern is malformed, or (if
+    ValueError: a rule value is not a policy, a pattern is malformed, an
+      FP8 rule names a module without a matmul knob that computes with
+      Params of its own (nnx.Embed, a norm, nnx.ConvTranspose), or (if
       `strict`) a rule matched nothing or a module cannot follow its policy.
   """
   if not isinstance(model, nnx.Module):
@@ -157,6 +175,7 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
   rules_lib.report_unmatched(
       ruleset, used, [(_path_str(p), m) for p, m in modules], strict=strict,
       what=type(model).__name__)
+  fp8_modules = _fp8_modules(model, modules, resolved, example_args)
   problems = []
   for path, module in modules:
     res = resolved[path]
@@ -165,7 +184,8 @@ def set_policies(model: M, rules: Any, *, strict: bool = False) -> M:
       problem = _apply(module, res.policy,
                        cast_output=rules_lib.casts_output(_path_str(path),
                                                           res),
-                       explicit=res.source == "rule")
+                       explicit=res.source == "rule",
+                       fp8=path in fp8_modules)
       if problem:
         problems.append(f"{_path_str(path) or '<root>'!r} "
                         f"({type(module).__name__}) {problem}")
@@ -295,9 +315,36 @@ def _path_str(path: tuple) -> str:
 
 
 def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
-  """(path, module) pairs, parents before children, each module once."""
-  pairs = list(nnx.iter_modules(model))
+  """(path, module) pairs, parents before children, each module once.
+
+  FP8 ops (the values of FP8 modules' matmul knobs) are part of their
+  module, not modules of their own.
+  """
+  pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)
+           if not isinstance(m, fp8_lib.FP8Op)]
   return sorted(pairs, key=lambda pm: len(pm[0]))  # stable: keeps nnx order
+
+
+def _fp8_modules(model: nnx.Module, modules: list, resolved: dict,
+                 example_args: Optional[tuple]) -> set[tuple]:
+  """Paths of the modules whose FP8 rule makes their matmul FP8.
+
+  Checks, before anything changes, that no FP8 rule names a module that
+  cannot run in FP8 and holds Params of its own (containers are fine: what
+  they hold inherits the rule).
+  """
+  decided = [(p, m, resolved[p].policy) for p, m in modules
+             if isinstance(resolved[p].policy, fp8_lib.FP8Policy)]
+  for path, module, _ in decided:
+    if (resolved[path].source == "rule" and not fp8_lib._knob(module)
+        and _own_params(module)):
+      fp8_lib._check_capable(path, module)
+  if any(pol.keep_first_last for _, _, pol in decided):
+    ends = fp8_lib._end_paths(model, example_args)
+  else:
+    ends = set()
+  return {p for p, m, pol in decided if fp8_lib._knob(m)
+          and not (pol.keep_first_last and p in ends)}
 
 
 def _owner(path: tuple, owners: set[tuple]) -> tuple:
@@ -340,14 +387,20 @@ def _has_boundary(cls: type) -> bool:
              for c in cls.__mro__ for value in vars(c).values())
 
 
-def _apply(module: nnx.Module, policy: Policy, *, cast_output: bool,
-           explicit: bool) -> Optional[str]:
+def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
+           explicit: bool, fp8: bool = False) -> Optional[str]:
   """Sets `module`'s knobs; says why it cannot follow `policy`, if so.
+
+  An `FP8Policy` sets the knobs of its bfloat16 `Policy` and, if `fp8`,
+  then makes the module's matmul FP8.
 
   Reported: a module computing with its own Params without knobs or boundary
   (they would promote the computation to the param dtype), and a module that
   a rule names directly for an output dtype it has no means to produce.
   """
+  fp8_policy = policy if isinstance(policy, fp8_lib.FP8Policy) else None
+  if fp8_policy is not None:
+    policy = fp8_policy.policy
   attrs = vars(module)
   originals = {}
 
@@ -366,8 +419,10 @@ def _apply(module: nnx.Module, policy: Policy, *, cast_output: bool,
       if (name in attrs and any(attrs[name] is d for d in defaults)
           and attrs.get(name + "_cls") is None):
         set_knob(name, replacement)
-  setattr(module, _ATTR, _Applied(policy, cast_output,
-                                  tuple(originals.items())))
+  if fp8:
+    fp8_lib._convert(module, fp8_policy.recipe)
+  setattr(module, _ATTR, _Applied(fp8_policy if fp8 else policy, cast_output,
+                                  tuple(originals.items()), fp8))
   if (has_dtype or _has_boundary(type(module))
       or isinstance(module, _CONTAINERS)):
     return None
@@ -388,6 +443,8 @@ def _remove(module: nnx.Module) -> None:
   applied = vars(module).get(_ATTR)
   if applied is None:
     return
+  if applied.fp8:
+    fp8_lib._restore(module)
   for name, value in applied.originals:
     setattr(module, name, value)
   delattr(module, _ATTR)

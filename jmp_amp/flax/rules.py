@@ -8,7 +8,10 @@ A rules mapping goes from a *key* to a *policy*:
   ``"blocks/*/attn"``. The root module's path is ``""``.
 * policy: a `jmp_amp.Policy`, a policy string (``"float32"``,
   ``"mixed_bfloat16"``, ``"p=f32,c=bf16,o=f32"``), or None to leave the
-  matched modules as they are.
+  matched modules as they are. For NNX models also ``"float8"`` (or a
+  `jmp_amp.flax.fp8.FP8Policy`, or a `jmp_amp.FP8Recipe`): the matmul
+  modules it decides run in FP8 and the rest of what it decides in bfloat16
+  (see `jmp_amp.flax.fp8`); `fp8_rules` is `mixed_rules` with FP8 default.
 
 Patterns are globs over path segments: ``*`` matches within one segment,
 ``?`` one character of a segment, ``[abc]`` / ``[!abc]`` / ``[0-9]`` a
@@ -37,12 +40,16 @@ model's outputs. Inside the model, each module returns its own policy's
 output dtype (see `jmp_amp.flax.nnx` for what NNX modules can express).
 
 Example:
-  >>> from jmp_amp.flax.rules import mixed_rules
+  >>> from jmp_amp.flax.rules import mixed_rules, resolve_policy
   >>> rules = {"blocks/*/attn": "p=f32,c=bf16,o=f32",
   ...          nnx.LayerNorm: "float32",
   ...          "*": "mixed_bfloat16"}
   >>> str(mixed_rules("float16")["*"])  # norms in float32, the rest f16
   'p=f32,c=f16,o=f16'
+  >>> fp8_mlps = {"blocks/*/mlp": "float8", nnx.LayerNorm: "float32",
+  ...             "*": "mixed_bfloat16"}     # FP8 MLPs, bf16 elsewhere
+  >>> str(resolve_policy("blocks/*/mlp", fp8_mlps["blocks/*/mlp"]))
+  'float8'
 """
 
 from __future__ import annotations
@@ -57,11 +64,13 @@ from flax import nnx
 
 import jmp_amp
 from jmp_amp import Policy
+from jmp_amp._src import fp8 as fp8_core
+from jmp_amp.flax import fp8 as fp8_lib
 
 DEFAULT_KEY = "*"
 ROOT_KEY = ""
 
-PolicyLike = Union[Policy, str, None]
+PolicyLike = Union[Policy, fp8_lib.FP8Policy, fp8_core.FP8Recipe, str, None]
 RuleKey = Union[type, str]
 
 
@@ -166,25 +175,88 @@ def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
   return PolicyRules(rules, optional=NORM_CLASSES)
 
 
+def fp8_rules(recipe: Any = None, *, keep_first_last: bool = True,
+              param: Any = "float32", norms: PolicyLike = "float32",
+              model_output: Any = None) -> PolicyRules:
+  """`mixed_rules` with FP8 as the default: FP8 matmuls, norms in float32.
+
+  The catch-all rule is an `FP8Policy`: modules with a matmul knob
+  (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv) run it in FP8
+  except the model's first and last (`keep_first_last`), everything else
+  (embeddings, the first/last matmul modules, activations) in bfloat16.
+  Extend it like any rules: ``fp8_rules() | {"head": "float32"}``. For NNX
+  models (`jmp_amp.flax.set_policies`); applying it converts the same
+  modules as ``jmp_amp.flax.set_fp8(model, recipe)``.
+
+  Example:
+    >>> import jmp_amp.flax
+    >>> from jmp_amp import models
+    >>> model = models.MLP(8, 2, num_layers=4, width=16, rngs=nnx.Rngs(0))
+    >>> rules = jmp_amp.flax.fp8_rules("delayed")
+    >>> str(rules["*"])
+    'float8(delayed, history_len=16)'
+    >>> _ = jmp_amp.flax.set_policies(model, rules)
+    >>> sorted(jmp_amp.flax.fp8_modules(model))
+    ['layers/1', 'layers/2']
+
+  Args:
+    recipe: an `FP8Recipe`, "current" (default) or "delayed".
+    keep_first_last: leave the first and last matmul modules in bfloat16.
+    param: param (master weight) dtype.
+    norms: policy of the normalisation layers (optional rules).
+    model_output: if given, the dtype the model as a whole returns (see
+      `mixed_rules`).
+
+  Returns:
+    A `PolicyRules`: the root rule (if any), the norm rules, ``"*"`` last.
+  """
+  default = fp8_lib.FP8Policy(recipe, keep_first_last=keep_first_last,
+                              param_dtype=param)
+  rules = mixed_rules(default.compute_dtype, param=param, norms=norms,
+                      model_output=model_output)
+  rules[DEFAULT_KEY] = default
+  return rules
+
+
 # --------------------------------------------------------------------------
 # Validation.
 
 
-def resolve_policy(key: Any, value: Any) -> Optional[Policy]:
-  """A rule's value as a `Policy` (None stays None); ValueError otherwise."""
+def resolve_policy(key: Any, value: Any, *, fp8: bool = True
+                   ) -> Union[Policy, fp8_lib.FP8Policy, None]:
+  """A rule's value as a `Policy` or `FP8Policy` (None stays None).
+
+  Args:
+    key: the rule's key (for messages).
+    value: the rule's value.
+    fp8: whether FP8 values ("float8", `FP8Policy`, `FP8Recipe`) are
+      accepted (NNX) or rejected (linen).
+
+  Raises:
+    ValueError: naming the rule and what is accepted.
+  """
   if value is None or isinstance(value, Policy):
     return value
+  fp8_policy = fp8_lib.as_fp8_policy(value)
+  if fp8_policy is not None:
+    if not fp8:
+      raise ValueError(
+          f"Rule {describe_key(key)} asks for FP8 ({value!r}), which "
+          "jmp_amp.flax applies to NNX models only (set_policies, set_fp8); "
+          "for linen use jmp_amp.autocast(apply_fn, 'float8').")
+    return fp8_policy
   if isinstance(value, str):
     try:
       return jmp_amp.get_policy(value)
     except ValueError as e:
       raise ValueError(
-          f"Invalid policy {value!r} for rule {describe_key(key)}: {e}"
-      ) from None
+          f"Invalid policy {value!r} for rule {describe_key(key)}: {e} Rules "
+          "also accept 'float8' (FP8 matmuls).") from None
   raise ValueError(
       f"Rule {describe_key(key)} has value {value!r} of type "
       f"{type(value).__name__}; expected a jmp_amp.Policy, a policy string "
-      "such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32', or None.")
+      "such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32', 'float8' (or an "
+      "FP8Policy/FP8Recipe), or None.")
 
 
 def describe_key(key: Any) -> str:
@@ -266,7 +338,7 @@ def compile_pattern(pattern: str) -> re.Pattern:
 class Rule:
   """One validated rule."""
   key: RuleKey
-  policy: Optional[Policy]
+  policy: Union[Policy, fp8_lib.FP8Policy, None]
   regex: Optional[re.Pattern]
   optional: bool
 
@@ -287,17 +359,18 @@ class RuleSet:
     return self.rules + ((self.default,) if self.default else ())
 
 
-def validate_rules(rules: Any) -> RuleSet:
+def validate_rules(rules: Any, *, fp8: bool = True) -> RuleSet:
   """Checks a rules mapping eagerly and compiles its patterns.
 
-  A lone `Policy` or policy string means ``{"*": policy}``.
+  A lone `Policy`, policy string or FP8 value means ``{"*": policy}``;
+  FP8 values are rejected unless `fp8` (see `resolve_policy`).
 
   Raises:
     TypeError: `rules` is not a mapping/policy, or a key is neither a module
       class nor a str.
     ValueError: a value is not a policy, or a pattern is malformed.
   """
-  if isinstance(rules, (Policy, str)):
+  if isinstance(rules, (Policy, str, fp8_lib.FP8Policy, fp8_core.FP8Recipe)):
     rules = {DEFAULT_KEY: rules}
   if not isinstance(rules, Mapping):
     raise TypeError(
@@ -319,7 +392,8 @@ def validate_rules(rules: Any) -> RuleSet:
           f"Rule key {key!r} of type {type(key).__name__} is neither a module "
           "class (e.g. nnx.LayerNorm) nor a path pattern str (e.g. "
           "'blocks/*/attn').")
-    rule = Rule(key, resolve_policy(key, value), regex, key in optional)
+    rule = Rule(key, resolve_policy(key, value, fp8=fp8), regex,
+                key in optional)
     if key == DEFAULT_KEY:
       default = rule
     else:

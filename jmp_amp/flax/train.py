@@ -63,6 +63,7 @@ import numpy as np
 
 import jmp_amp
 from jmp_amp import Policy
+from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import fp8
 
@@ -90,6 +91,8 @@ def _autocast_hook(autocast: AutocastSpec) -> Optional[Callable]:
   """The function transformation the `autocast=` argument stands for."""
   if autocast is None:
     return None
+  if isinstance(autocast, fp8_lib.FP8Recipe) or fp8_lib.is_fp8_name(autocast):
+    return lambda fn: jmp_amp.autocast(fn, autocast)  # float32 outputs
   if isinstance(autocast, (str, Policy)):
     # The wrapped function returns the loss and model state, not
     # activations: keep those in float32 whatever the policy's output dtype.
@@ -196,9 +199,9 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       ``(loss, aux)`` with `has_aux`.
     has_aux: whether `loss_fn` returns ``(loss, aux)``; aux goes to
       ``metrics["aux"]``.
-    autocast: None; a policy string / `Policy` / floating dtype, to run
-      `loss_fn` under `jmp_amp.autocast` (op-level autocast, outputs kept
-      float32); or any callable ``fn -> fn`` applied to the pure function
+    autocast: None; a policy string / `Policy` / floating dtype, or
+      ``"float8"`` / a `jmp_amp.FP8Recipe`, to run `loss_fn` under
+      `jmp_amp.autocast` (op-level autocast, outputs kept float32); or any callable ``fn -> fn`` applied to the pure function
       ``(params, rest, batch) -> (loss, aux, rest)``.
     wrt: filter of the variables to differentiate, as given to
       `nnx.Optimizer`.
