@@ -278,9 +278,12 @@ def test_auto_skips_with_cond_on_cpu_and_select_keeps_no_conditional(
     pytest.skip("the backend choice checked here is CPU's")
   make = lambda how: jmp_amp.loss_scaling(
       optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0**4), skip_with=how)
-  assert "conditional(" in _compiled_text(make("auto"), small_params)
-  assert "conditional(" in _compiled_text(make("cond"), small_params)
-  assert "conditional(" not in _compiled_text(make("select"), small_params)
+  # One conditional is the CPU finite check's (it unscales only when the
+  # scale is below 1); the skip adds the second, except with selects.
+  count = lambda how: _compiled_text(make(how), small_params).count(
+      "conditional(")
+  assert count("auto") == count("cond") == 2
+  assert count("select") == 1
 
 
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
@@ -372,18 +375,21 @@ def test_nonfinite_loss_with_finite_grads(skip_with, small_params):
     jmp_amp.NoOpLossScale(), jmp_amp.StaticLossScale(2.0**15),
     jmp_amp.StaticLossScale(2.0**-12), jmp_amp.DynamicLossScale(2.0**-20, min_loss_scale=2.0**-30),
     jmp_amp.DynamicLossScale(3.0)], ids=str)
-def test_gpu_finite_check_agrees_with_all_finite(loss_scale):
-  # The check loss_scaling compiles for GPUs (row sums of x * 0 and row
-  # maxima, unscaled at the end), run here on the CPU against all_finite of
-  # the unscaled gradients, over leaves of many kinds. Scales below 1 make
-  # the unscale overflow for large finite values; those must count too.
+@pytest.mark.parametrize("check_name", ["_finite_by_rows", "_finite_on_cpu"])
+def test_finite_checks_agree_with_all_finite(loss_scale, check_name):
+  # The checks loss_scaling compiles for GPUs (row sums of x * 0 and row
+  # maxima, unscaled at the end) and for CPUs (the gradients as they are,
+  # and unscaled only if the scale is below 1), against all_finite of the
+  # unscaled gradients, over leaves of many kinds. Scales below 1 make the
+  # unscale overflow for large finite values; those must count too.
   from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   shapes = [(), (3,), (2**15,), (0, 4), (5, 7), (3, 4, 6), (4, 2**14),
             (3, 2**14 + 1)]
   dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
   # pylint: disable=protected-access
-  check = jax.jit(lambda t: scaling_lib._finite_by_rows(loss_scale, t))
+  check = jax.jit(
+      lambda t: getattr(scaling_lib, check_name)(loss_scale, t))
   reference = jax.jit(
       lambda t: jmp_amp.all_finite(scaling_lib._unscale(loss_scale, t)))
   # pylint: enable=protected-access
@@ -415,3 +421,21 @@ def test_gpu_finite_check_agrees_with_all_finite(loss_scale):
     overflows += trial % 3 == 2 and not expected
   # Only the scales below 1 overflow the large finite values.
   assert (overflows > 0) == (scale < 1), overflows
+
+
+@pytest.mark.parametrize("check_name", ["_finite_by_rows", "_finite_on_cpu"])
+@pytest.mark.parametrize("bad_scale", [np.nan, np.inf, 0.0, -1.0])
+def test_finite_checks_with_a_broken_scale(check_name, bad_scale):
+  # A scale restored from a damaged checkpoint (or built under jit): the
+  # unscaled gradients are NaN/inf/sign-flipped; every check must agree with
+  # all_finite of what the optimizer would receive.
+  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+  ls = jax.tree_util.tree_map(
+      lambda x: jnp.asarray(bad_scale, x.dtype) if x.dtype == jnp.float32
+      else x, jmp_amp.DynamicLossScale(2.0**15))
+  tree = {"w": jnp.full((4, 2**13), 0.5, jnp.float16), "b": jnp.ones(3)}
+  # pylint: disable=protected-access
+  got = jax.jit(lambda t: getattr(scaling_lib, check_name)(ls, t))(tree)
+  want = jmp_amp.all_finite(scaling_lib._unscale(ls, tree))
+  # pylint: enable=protected-access
+  assert bool(got) == bool(want)
