@@ -4,8 +4,11 @@
 No GPU needed: each step is compiled with `jmp_amp.gpu_report` (the CUDA
 plugin's compile-only H100 target, the ``gpu-audit`` extra) and the
 compiler's figures are written to benchmarks/results/h100_compiled.json:
-GEMMs by dtype, kernels, GPU temp/argument memory, an estimate of bytes
-moved, and their ratios to float32. Compiler figures, not timings.
+GEMMs by dtype (the share of GEMM FLOPs in a half dtype and in FP8),
+kernels, GPU temp/argument memory, an estimate of bytes moved, and their
+ratios to float32, for every mode of `jmp-amp bench` but float32-highest
+(FP8: ``fp8`` is `jmp_amp.flax.fp8_rules`, ``autocast-fp8`` is
+``jmp_amp.autocast(..., "float8")``). Compiler figures, not timings.
 
     JAX_PLATFORMS=cpu python benchmarks/h100_compiled.py          # all, + plot
     python benchmarks/h100_compiled.py --plot-only     # plot + .md from the JSON
@@ -36,7 +39,7 @@ from jmp_amp import gpu_bench
 from jmp_amp._src import gpu_target
 
 MODES = ("float32", "bf16", "fp16", "fp16-noscale", "autocast-bf16",
-         "autocast-fp16")
+         "autocast-fp16", "fp8", "autocast-fp8")
 RESULTS = os.path.join(HERE, "results")
 GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4,
            max_len=1024, batch_size=16, lr=3e-4, weight_decay=0.1)
@@ -137,6 +140,14 @@ def plot(results, path):
   plt.close(fig)
 
 
+# gpu_bench.table's columns shown in the Markdown, and their headers there.
+_MD_COLUMNS = ("mode", "GEMMs by dtype", "half FLOPs", "FP8 FLOPs", "kernels",
+               "temp MiB", "temp ratio", "bytes est MiB", "bytes ratio")
+_MD_HEADERS = ("mode", "GEMMs by dtype", "half GEMM FLOPs", "FP8 GEMM FLOPs",
+               "kernels", "GPU temp MiB", "temp / f32", "bytes est. MiB",
+               "bytes / f32")
+
+
 def markdown(results) -> str:
   """The results as Markdown tables, one per workload, labelled."""
   lines = [f"Train steps {results['label']} (jax {results['jax_version']}, "
@@ -144,16 +155,15 @@ def markdown(results) -> str:
   for name in _ordered(results):
     w = results["workloads"][name]
     lines += [f"**{name}**: {w['description']}", "",
-              "| mode | GEMMs by dtype | half GEMM FLOPs | kernels | GPU temp MiB "
-              "| temp / f32 | bytes est. MiB | bytes / f32 |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| " + " | ".join(_MD_HEADERS) + " |",
+              "| " + " | ".join(["---"] * len(_MD_HEADERS)) + " |"]
     for r in w["rows"]:
       if r["status"] != "ok":
-        lines.append(f"| {r['mode']} | failed: {r['error'][:60]} | | | | | | |")
+        lines.append(f"| {r['mode']} | failed: {r['error'][:60]} |"
+                     + " |" * (len(_MD_HEADERS) - 2))
         continue
-      cells = gpu_bench.table([r])[0]
-      lines.append("| " + " | ".join(cells[:5] + [cells[5], cells[7], cells[8]])
-                   + " |")
+      cells = dict(zip(gpu_bench.COLUMNS, gpu_bench.table([r])[0]))
+      lines.append("| " + " | ".join(cells[c] for c in _MD_COLUMNS) + " |")
     lines.append("")
   return "\n".join(lines)
 
