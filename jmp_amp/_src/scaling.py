@@ -147,17 +147,12 @@ def _finite_on_cpu(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
     return all_finite(_unscale(loss_scale, grads))
   inv = loss_scale.unscale(jnp.ones((), jnp.float32))
   # Under shard_map both branches must vary over the same mesh axes.
-  axes = tuple(sorted(frozenset().union(
-      _vma(inv), *(_vma(x) for x in jax.tree_util.tree_leaves(grads)))))
-
-  def vary(x):
-    missing = tuple(a for a in axes if a not in _vma(x))
-    return _to_varying(x, missing) if missing else x
-
+  axes = frozenset().union(
+      _vma(inv), *(_vma(x) for x in jax.tree_util.tree_leaves(grads)))
   unscaled = jax.lax.cond(
       jnp.logical_not(inv <= 1),
-      lambda g: vary(all_finite(_unscale(loss_scale, g))),
-      lambda g: vary(jnp.array(True)), grads)
+      lambda g: _vary_over(all_finite(_unscale(loss_scale, g)), axes),
+      lambda g: _vary_over(jnp.array(True), axes), grads)
   return finite & unscaled
 
 
@@ -201,11 +196,18 @@ def _skip_by_select(finite, apply, grads, inner_state, params):
   return updates, where_tree(finite, new_inner, inner_state)
 
 
-def _to_varying(x, axes: tuple):
-  """Marks `x` as varying over the mesh `axes` (`lax.pcast`, or `pvary` before it)."""
+def _vary_over(x, axes):
+  """`x`, marked as varying over those mesh `axes` it does not vary over yet.
+
+  Inside `shard_map` (`lax.pcast`, or `lax.pvary` before it); unchanged
+  elsewhere, where nothing varies.
+  """
+  missing = tuple(sorted(frozenset(axes) - _vma(x)))
+  if not missing:
+    return x
   if hasattr(jax.lax, "pcast"):  # jax >= 0.10
-    return jax.lax.pcast(x, axes, to="varying")
-  return jax.lax.pvary(x, axes)
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)
 
 
 def _vma(x) -> frozenset:
@@ -245,11 +247,8 @@ def _skip_by_cond(finite, apply, grads, inner_state, params):
           for new, old in zip(jaxpr.out_avals, old_leaves)]
 
   def vary(leaves):
-    out = []
-    for x, want in zip(leaves, axes):
-      missing = tuple(sorted(want - _vma(x)))
-      out.append(_to_varying(x, missing) if missing else x)
-    return jax.tree_util.tree_unflatten(out_tree, out)
+    return jax.tree_util.tree_unflatten(
+        out_tree, [_vary_over(x, want) for x, want in zip(leaves, axes)])
 
   def take(ops):
     return vary(jax.tree_util.tree_leaves(take_raw(ops)))
