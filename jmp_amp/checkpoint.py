@@ -53,7 +53,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 import warnings
 import zlib
 
@@ -306,50 +306,48 @@ def check_compatible(saved: dict[str, Any], target: Any, *,
 # Save / restore.
 
 
-def _nnx_pytree_type() -> Optional[type]:
-  # Only if the caller uses Flax already: this module must not import it.
+_NOTHING = object()  # no `restored` tree given
+
+
+def _map_nnx_objects(fn: Callable[..., Any], tree: Any,
+                     restored: Any = _NOTHING) -> Any:
+  """Applies ``fn(nnx, obj[, restored_part])`` to the NNX objects in `tree`.
+
+  Other leaves are kept (or, given `restored`, taken from it). Only if the
+  caller uses Flax already: this module must not import it.
+  """
   nnx = sys.modules.get("flax.nnx")
-  return getattr(nnx, "Pytree", None) if nnx is not None else None
+  pytree_type = getattr(nnx, "Pytree", None) if nnx is not None else None
+  if pytree_type is None:
+    return tree if restored is _NOTHING else restored
+  is_obj = lambda x: isinstance(x, pytree_type)
+  if restored is _NOTHING:
+    return jax.tree_util.tree_map(
+        lambda x: fn(nnx, x) if is_obj(x) else x, tree, is_leaf=is_obj)
+  return jax.tree_util.tree_map(
+      lambda t, r: fn(nnx, t, r) if is_obj(t) else r, tree, restored,
+      is_leaf=is_obj)
 
 
 def _saveable(tree: Any) -> Any:
   """`tree` with NNX modules/optimizers replaced by their `nnx.state`."""
-  pytree_type = _nnx_pytree_type()
-  if pytree_type is None:
-    return tree
-  nnx = sys.modules["flax.nnx"]
-  is_obj = lambda x: isinstance(x, pytree_type)
-  return jax.tree_util.tree_map(
-      lambda x: nnx.state(x) if is_obj(x) else x, tree, is_leaf=is_obj)
+  return _map_nnx_objects(lambda nnx, obj: nnx.state(obj), tree)
 
 
 def _update_nnx_objects(target: Any, restored: Any) -> Any:
   """Writes restored states into the target's NNX objects, in place."""
-  pytree_type = _nnx_pytree_type()
-  if pytree_type is None:
-    return restored
-  nnx = sys.modules["flax.nnx"]
-  is_obj = lambda x: isinstance(x, pytree_type)
-
-  def put(t, r):
-    if not is_obj(t):
-      return r
-    nnx.update(t, r)
-    return t
-  return jax.tree_util.tree_map(put, target, restored, is_leaf=is_obj)
+  def put(nnx, obj, state):
+    nnx.update(obj, state)
+    return obj
+  return _map_nnx_objects(put, target, restored)
 
 
 def _nnx_copies(target: Any, restored: Any) -> Any:
   """`restored` with NNX states merged into new objects (the target's
   untouched), where the loss scales can be found and checked."""
-  pytree_type = _nnx_pytree_type()
-  if pytree_type is None:
-    return restored
-  nnx = sys.modules["flax.nnx"]
-  is_obj = lambda x: isinstance(x, pytree_type)
-  return jax.tree_util.tree_map(
-      lambda t, r: nnx.merge(nnx.split(t)[0], r) if is_obj(t) else r,
-      target, restored, is_leaf=is_obj)
+  return _map_nnx_objects(
+      lambda nnx, obj, state: nnx.merge(nnx.split(obj)[0], state), target,
+      restored)
 
 
 def _abstract(target: Any, saved_leaves: Optional[dict[str, Any]]) -> Any:
