@@ -28,17 +28,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository, for jmp_amp/models
 
-from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from jmp_amp import gpu_bench  # noqa: E402
-import jmp_amp.flax as jflax  # noqa: E402
+import h100_compiled  # noqa: E402  (this directory: the same GPT step)
 from models import gpt as gpt_lib  # noqa: E402
 
-GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4,
-           max_len=1024, batch_size=16, lr=3e-4, weight_decay=0.1)
+GPT = h100_compiled.GPT
 MODES = ("float32", "bf16", "autocast-bf16")
 LABEL = "compiled for H100, no GPU: compiler figures, not timings"
 
@@ -55,24 +52,7 @@ LOSSES = {"previous (optax on float32 logits)": previous_lm_loss,
 
 
 def rows_for(loss_fn):
-  c = GPT
-  tokens = jax.ShapeDtypeStruct((c["batch_size"], c["max_len"]), jnp.int32)
-
-  def build(mode):
-    model = gpt_lib.GPT(c["vocab_size"], c["d_model"], c["num_heads"],
-                        c["num_layers"], c["max_len"], rngs=nnx.Rngs(0))
-    if mode.get("policy") == "mixed_bfloat16":
-      # The policies applied here (gpu_bench.nnx_step would do the same, but
-      # asks the policy's compute dtype, a scalar type, for `.name`).
-      jflax.set_policies(model, jflax.mixed_rules("bfloat16"))
-      mode = {**mode, "policy": None}
-    step, state = gpu_bench.nnx_step(
-        model, loss_fn, mode,
-        optax.adamw(c["lr"], weight_decay=c["weight_decay"]))
-    return step, state, (tokens, tokens)
-
-  rows = [gpu_bench.mode_report(name, build) for name in MODES]
-  gpu_bench.add_ratios(rows)
+  rows = h100_compiled.gpt_rows(MODES, loss_fn)
   keep = ("mode", "status", "error", "temp_bytes", "temp_bytes_vs_float32",
           "argument_bytes", "kernels", "gemms_by_dtype", "half_gemm_flops")
   return [{k: r[k] for k in keep if k in r} for r in rows]

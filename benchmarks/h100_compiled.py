@@ -51,7 +51,8 @@ def bench_config(**sizes) -> bench.Config:
   return bench.Config(**{**base, **sizes})
 
 
-def gpt_rows(modes):
+def gpt_rows(modes, loss_fn=None):
+  """The GPT step's rows, with `models.lm_loss` or another ``loss_fn``."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from models import gpt as gpt_lib  # pylint: disable=g-import-not-at-top
   c = GPT
@@ -61,7 +62,7 @@ def gpt_rows(modes):
     model = gpt_lib.GPT(c["vocab_size"], c["d_model"], c["num_heads"],
                         c["num_layers"], c["max_len"], rngs=nnx.Rngs(0))
     step, state = gpu_bench.nnx_step(
-        model, gpt_lib.lm_loss, mode,
+        model, loss_fn or gpt_lib.lm_loss, mode,
         optax.adamw(c["lr"], weight_decay=c["weight_decay"]))
     return step, state, (tokens, tokens)
 
