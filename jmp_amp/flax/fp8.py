@@ -94,10 +94,8 @@ import fnmatch
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 from flax import nnx
-import jax
 import jax.numpy as jnp
 from jax import lax
-import numpy as np
 
 from jmp_amp._src import dtypes as dtypes_lib
 from jmp_amp._src import fp8 as fp8_lib
