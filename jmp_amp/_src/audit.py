@@ -26,7 +26,7 @@ import math
 import os
 import re
 import sys
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 from jax.extend.mlir import ir
