@@ -278,12 +278,12 @@ def test_auto_skips_with_cond_on_cpu_and_select_keeps_no_conditional(
     pytest.skip("the backend choice checked here is CPU's")
   make = lambda how: jmp_amp.loss_scaling(
       optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0**4), skip_with=how)
-  # One conditional is the CPU finite check's (it unscales only when the
-  # scale is below 1); the skip adds the second, except with selects.
+  # The CPU finite check compares with a threshold (no conditional); the
+  # skip is the only one, except with selects.
   count = lambda how: _compiled_text(make(how), small_params).count(
       "conditional(")
-  assert count("auto") == count("cond") == 2
-  assert count("select") == 1
+  assert count("auto") == count("cond") == 1
+  assert count("select") == 0
 
 
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
@@ -371,25 +371,39 @@ def test_nonfinite_loss_with_finite_grads(skip_with, small_params):
     opt.update(grads, state, small_params)
 
 
+def _check(name, **kwargs):
+  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+  return lambda loss_scale, tree: getattr(scaling_lib, name)(
+      loss_scale, tree, **kwargs)
+
+
+# The finite checks loss_scaling compiles, by name.
+FINITE_CHECKS = {
+    "gpu_rows": _check("_finite_by_rows"),
+    "cpu_elementwise": _check("_finite_on_cpu"),
+    "cpu_materialized": _check("_finite_on_cpu", materialized=True),
+}
+
+
 @pytest.mark.parametrize("loss_scale", [
     jmp_amp.NoOpLossScale(), jmp_amp.StaticLossScale(2.0**15),
     jmp_amp.StaticLossScale(2.0**-12), jmp_amp.DynamicLossScale(2.0**-20, min_loss_scale=2.0**-30),
     jmp_amp.DynamicLossScale(3.0)], ids=str)
-@pytest.mark.parametrize("check_name", ["_finite_by_rows", "_finite_on_cpu"])
+@pytest.mark.parametrize("check_name", FINITE_CHECKS)
 def test_finite_checks_agree_with_all_finite(loss_scale, check_name):
   # The checks loss_scaling compiles for GPUs (row sums of x * 0 and row
-  # maxima, unscaled at the end) and for CPUs (the gradients as they are,
-  # and unscaled only if the scale is below 1), against all_finite of the
-  # unscaled gradients, over leaves of many kinds. Scales below 1 make the
-  # unscale overflow for large finite values; those must count too.
+  # maxima, unscaled at the end) and for CPUs (|g| against the largest value
+  # whose unscale is finite, elementwise or by reductions), against
+  # all_finite of the unscaled gradients, over leaves of many kinds. Scales
+  # below 1 make the unscale overflow for large finite values; those must
+  # count too.
   from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   shapes = [(), (3,), (2**15,), (0, 4), (5, 7), (3, 4, 6), (4, 2**14),
             (3, 2**14 + 1)]
   dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
   # pylint: disable=protected-access
-  check = jax.jit(
-      lambda t: getattr(scaling_lib, check_name)(loss_scale, t))
+  check = jax.jit(lambda t: FINITE_CHECKS[check_name](loss_scale, t))
   reference = jax.jit(
       lambda t: jmp_amp.all_finite(scaling_lib._unscale(loss_scale, t)))
   # pylint: enable=protected-access
@@ -423,7 +437,7 @@ def test_finite_checks_agree_with_all_finite(loss_scale, check_name):
   assert (overflows > 0) == (scale < 1), overflows
 
 
-@pytest.mark.parametrize("check_name", ["_finite_by_rows", "_finite_on_cpu"])
+@pytest.mark.parametrize("check_name", FINITE_CHECKS)
 @pytest.mark.parametrize("bad_scale", [np.nan, np.inf, 0.0, -1.0])
 def test_finite_checks_with_a_broken_scale(check_name, bad_scale):
   # A scale restored from a damaged checkpoint (or built under jit): the
@@ -435,7 +449,56 @@ def test_finite_checks_with_a_broken_scale(check_name, bad_scale):
       else x, jmp_amp.DynamicLossScale(2.0**15))
   tree = {"w": jnp.full((4, 2**13), 0.5, jnp.float16), "b": jnp.ones(3)}
   # pylint: disable=protected-access
-  got = jax.jit(lambda t: getattr(scaling_lib, check_name)(ls, t))(tree)
+  got = jax.jit(lambda t: FINITE_CHECKS[check_name](ls, t))(tree)
   want = jmp_amp.all_finite(scaling_lib._unscale(ls, tree))
   # pylint: enable=protected-access
   assert bool(got) == bool(want)
+
+
+def _broken(scale):
+  """A DynamicLossScale holding `scale` as is (even 0, inf or NaN)."""
+  return jax.tree_util.tree_map(
+      lambda x: jnp.asarray(scale, x.dtype) if x.dtype == jnp.float32 else x,
+      jmp_amp.DynamicLossScale(2.0**15))
+
+
+@settings(max_examples=150, deadline=None)
+@given(scale=st.one_of(
+    st.floats(2.0**-60, 2.0**60),
+    st.sampled_from([1.0, 0.5, 3.0, 2.0**-24, 1e-38, 0.0, -0.5, float("inf"),
+                     float("nan")])),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32"]))
+def test_cpu_threshold_is_the_largest_value_whose_unscale_is_finite(
+    scale, dtype):
+  # The CPU check passes a finite g exactly when |g| <= t: t must be the
+  # largest value of the gradients' dtype whose unscale (the one the
+  # optimizer gets) is finite, or -inf when even 0 does not unscale to a
+  # finite value. Checked against the unscale itself, one ulp either side.
+  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable=protected-access
+  ls = _broken(scale)
+  dtype = jnp.dtype(dtype)
+  t = _cpu_threshold(ls, dtype)
+  finite = lambda x: bool(jnp.isfinite(
+      scaling_lib._unscale_leaf(ls, jnp.asarray(x, dtype))))
+  # pylint: enable=protected-access
+  top = jnp.finfo(dtype).max
+  if t == -jnp.inf:
+    assert not finite(0.0)
+    return
+  assert t.dtype == dtype and 0 <= t <= top
+  assert finite(t)
+  if t < top:
+    assert not finite(jnp.nextafter(t, jnp.asarray(jnp.inf, dtype)))
+  if abs(scale) >= 1:
+    assert t == top  # |1 / scale| <= 1 cannot overflow.
+
+
+@jax.jit
+def _cpu_threshold_jit(ls, zero):
+  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+  return scaling_lib._largest_finite_unscaled(ls, zero.dtype)  # pylint: disable=protected-access
+
+
+def _cpu_threshold(ls, dtype):
+  return _cpu_threshold_jit(ls, jnp.zeros((), dtype))

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.layout import Layout
+from jax.experimental.layout import with_layout_constraint
 
 from jmp_amp._src import loss_scale as ls_lib
 from jmp_amp._src.tree import all_finite
@@ -129,34 +131,85 @@ def _finite_by_rows(loss_scale: ls_lib.LossScale, tree) -> jax.Array:
   return finite
 
 
-def _finite_on_cpu(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
+def _row_major(tree):
+  """`tree` with each leaf in row-major layout, on CPU (unchanged elsewhere).
+
+  Gradients passed to `jax.lax.cond` are materialised. A weight's gradient
+  comes out of its matmul transposed, and XLA:CPU then stored it as it came
+  and copied it again inside the conditional, in the layout the optimizer
+  uses: two full-size buffers where one does.
+  """
+  def constrain(leaf):
+    if jnp.ndim(leaf) < 2:
+      return leaf
+    return with_layout_constraint(leaf, Layout(tuple(range(jnp.ndim(leaf)))))
+  return jax.lax.platform_dependent(
+      tree, cpu=lambda t: jax.tree_util.tree_map(constrain, t),
+      default=lambda t: t)
+
+
+def _largest_finite_unscaled(loss_scale: ls_lib.LossScale, dtype) -> jax.Array:
+  """The largest ``t`` of `dtype` whose unscale is finite, else ``-inf``.
+
+  Unscaling rounds monotonically in ``|x|``, so a finite ``x`` of `dtype`
+  stays finite once unscaled exactly when ``|x| <= t``. Starts from
+  ``max / |inv|`` (``inv = 1 / scale``), within an ulp or two of ``t``, and
+  steps to ``t`` by checking candidates with `_unscale_leaf` itself: scalar
+  work only. A scale whose unscale of 0 is not finite (NaN, 0) gives
+  ``-inf``, so that no gradient passes.
+  """
+  top = jnp.asarray(jnp.finfo(dtype).max, dtype)
+  ok = lambda x: jnp.isfinite(_unscale_leaf(loss_scale, x))
+  if isinstance(loss_scale, ls_lib.NoOpLossScale):
+    return top
+  wide = jnp.promote_types(dtype, jnp.float32)
+  inv = jnp.abs(loss_scale.unscale(jnp.ones((), wide)))
+  t = jnp.where(inv > 1, (top.astype(wide) / inv).astype(dtype), top)
+  t = jnp.where(jnp.isnan(t), jnp.zeros((), dtype), t)
+  for _ in range(3):
+    t = jnp.where(ok(t), t, jnp.nextafter(t, jnp.zeros((), dtype)))
+  for _ in range(3):
+    up = jnp.minimum(jnp.nextafter(t, jnp.asarray(jnp.inf, dtype)), top)
+    t = jnp.where(ok(up), up, t)
+  return jnp.where(ok(t), t, jnp.asarray(-jnp.inf, dtype))
+
+
+def _finite_on_cpu(loss_scale: ls_lib.LossScale, grads,
+                   materialized: bool = False) -> jax.Array:
   """Whether every leaf of ``_unscale(loss_scale, grads)`` is finite, on CPU.
 
-  Checks the gradients as they are (XLA:CPU vectorises that check; with the
-  unscale fused into it, it ran several times slower). Unscaling by
-  ``inv = 1 / scale <= 1`` cannot overflow a finite value, so the unscaled
-  check only runs, under `jax.lax.cond` (on the device), when ``inv`` is
-  above 1 or not a number: a scale below 1, or a broken one.
+  Compares ``|g|`` with ``t`` from `_largest_finite_unscaled`: inf exceeds
+  ``t``, and so does a finite value whose unscale would overflow (a scale
+  below 1); no unscale is needed (fused into the check, it ran several
+  times slower). Two forms, by whether the gradients are `materialized`
+  (a `jax.lax.cond` skip takes them as operands):
+
+  * no: ``all(|g| <= t)``, one comparison per element (NaN compares false),
+    which XLA:CPU fuses into the read of a weight's (transposed) gradient,
+    leaving a boolean array a quarter of its size;
+  * yes: ``isfinite(sum(g - g))`` (``g - g`` is NaN exactly at an inf or
+    NaN, 0 elsewhere) and ``max |g| <= t``: two vectorised reductions of
+    the stored gradients, with no temporary at all. The vectorised max may
+    drop a NaN; the sum cannot.
   """
-  finite = all_finite(grads)
-  if isinstance(loss_scale, ls_lib.NoOpLossScale):
-    return finite
-  if isinstance(loss_scale, ls_lib.StaticLossScale):  # a Python constant.
-    if 1.0 / loss_scale.loss_scale <= 1:
-      return finite
-    return all_finite(_unscale(loss_scale, grads))
-  inv = loss_scale.unscale(jnp.ones((), jnp.float32))
-  # Under shard_map both branches must vary over the same mesh axes.
-  axes = frozenset().union(
-      _vma(inv), *(_vma(x) for x in jax.tree_util.tree_leaves(grads)))
-  unscaled = jax.lax.cond(
-      jnp.logical_not(inv <= 1),
-      lambda g: _vary_over(all_finite(_unscale(loss_scale, g)), axes),
-      lambda g: _vary_over(jnp.array(True), axes), grads)
-  return finite & unscaled
+  limits: dict[Any, jax.Array] = {}
+  finite = jnp.array(True)
+  for leaf in jax.tree_util.tree_leaves(grads):
+    if not _is_inexact(leaf) or leaf.size == 0:
+      continue
+    for x in _real_parts(leaf):
+      if x.dtype not in limits:
+        limits[x.dtype] = _largest_finite_unscaled(loss_scale, x.dtype)
+      if materialized:
+        finite &= (jnp.isfinite(jnp.sum(x - x))
+                   & (jnp.max(jnp.abs(x)) <= limits[x.dtype]))
+      else:
+        finite &= jnp.all(jnp.abs(x) <= limits[x.dtype])
+  return finite
 
 
-def _unscaled_finite(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
+def _unscaled_finite(loss_scale: ls_lib.LossScale, grads,
+                     materialized_on_cpu: bool = False) -> jax.Array:
   """Whether every leaf of ``_unscale(loss_scale, grads)`` is finite.
 
   An unscale that overflows (a scale below 1) counts as non-finite, as it
@@ -164,7 +217,9 @@ def _unscaled_finite(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
   it is `_finite_by_rows`, which compiles to fewer kernels on a GPU.
   """
   return jax.lax.platform_dependent(
-      grads, cpu=lambda g: _finite_on_cpu(loss_scale, g),
+      grads, cpu=lambda g: _finite_on_cpu(
+          loss_scale, _row_major(g) if materialized_on_cpu else g,
+          materialized_on_cpu),
       default=lambda g: _finite_by_rows(loss_scale, g))
 
 
@@ -223,8 +278,14 @@ def _skip_by_cond(finite, apply, grads, inner_state, params):
   """Runs `apply` only if `finite`, under `jax.lax.cond`.
 
   On CPU and TPU the conditional runs on the device, so a skipped step costs
-  nothing and a taken one holds one optimizer state, not two.
+  nothing and a taken one holds one optimizer state, not two. A skipped step
+  returns the gradients themselves where an update has their shape and type
+  (``-0.0`` elsewhere), and the updates are then selected by `finite` outside
+  the conditional: so XLA may write the updates over the gradients (a
+  conditional whose branches both make new buffers needs one more), and the
+  select fuses into `optax.apply_updates`.
   """
+  grads = _row_major(grads)
   operands = (grads, inner_state, params)
 
   def take_raw(ops):
@@ -236,15 +297,20 @@ def _skip_by_cond(finite, apply, grads, inner_state, params):
     return updates, new_inner
 
   jaxpr, (shapes, _) = jax.make_jaxpr(take_raw, return_shape=True)(operands)
+  update_leaves, update_tree = jax.tree_util.tree_flatten(shapes)
+  grad_leaves = jax.tree_util.tree_leaves(grads)
+  same_tree = update_tree == jax.tree_util.tree_structure(grads)
+  passed = [same_tree and jnp.shape(g) == u.shape
+            and jnp.result_type(g) == u.dtype
+            for g, u in zip(grad_leaves, update_leaves)]
   out_tree = jax.tree_util.tree_structure((shapes, inner_state))
   # Under shard_map both branches must vary over the same mesh axes: each
   # output varies over what the new value, the old one or the predicate
   # does, as a select's result would.
-  old_leaves = (jax.tree_util.tree_leaves(shapes)
+  old_leaves = ([g if p else None for g, p in zip(grad_leaves, passed)]
                 + jax.tree_util.tree_leaves(inner_state))
-  axes = [_vma(new) | (frozenset() if isinstance(old, jax.ShapeDtypeStruct)
-                       else _vma(old)) | _vma(finite)
-          for new, old in zip(jaxpr.out_avals, old_leaves)]
+  axes = [_vma(new) | (frozenset() if old is None else _vma(old))
+          | _vma(finite) for new, old in zip(jaxpr.out_avals, old_leaves)]
 
   def vary(leaves):
     return jax.tree_util.tree_unflatten(
@@ -254,11 +320,14 @@ def _skip_by_cond(finite, apply, grads, inner_state, params):
     return vary(jax.tree_util.tree_leaves(take_raw(ops)))
 
   def skip(ops):
-    zeros = [jnp.full(u.shape, -0.0, u.dtype)
-             for u in jax.tree_util.tree_leaves(shapes)]
-    return vary(zeros + jax.tree_util.tree_leaves(ops[1]))
+    updates = [g if p else jnp.full(u.shape, -0.0, u.dtype) for g, u, p in
+               zip(jax.tree_util.tree_leaves(ops[0]), update_leaves, passed)]
+    return vary(updates + jax.tree_util.tree_leaves(ops[1]))
 
-  return jax.lax.cond(finite, take, skip, operands)
+  updates, new_inner = jax.lax.cond(finite, take, skip, operands)
+  updates = jax.tree_util.tree_map(
+      lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
+  return updates, new_inner
 
 
 _SKIPS = {"select": _skip_by_select, "cond": _skip_by_cond}
@@ -364,7 +433,13 @@ def loss_scaling(inner: optax.GradientTransformation,
     if params is not None:
       _check_same_structure(updates, params)
     loss_scale = state.loss_scale
-    finite = _unscaled_finite(loss_scale, updates)
+    if not skip_nonfinite:
+      cpu_skip = None
+    elif skip_with == "auto":
+      cpu_skip = "cond"
+    else:
+      cpu_skip = skip_with
+    finite = _unscaled_finite(loss_scale, updates, cpu_skip == "cond")
     if check_loss:
       if "value" not in extra_args:
         raise TypeError(
