@@ -251,12 +251,12 @@ def jax_variants(opt_name, lr, target):
       "jmp_amp noop": lambda: v_jmp_amp(opt_name, lr, jmp_amp.NoOpLossScale()),
       "jmp_amp dynamic": lambda: v_jmp_amp(opt_name, lr, dyn()),
   }
-  if target == "cpu":
-    variants["jmp_amp dynamic (select)"] = lambda: v_jmp_amp(
-        opt_name, lr, dyn(), skip_with="select")
-  else:
-    variants["jmp_amp dynamic (cond)"] = lambda: v_jmp_amp(
-        opt_name, lr, dyn(), skip_with="cond")
+  # "auto" picks per backend (and on CPU by the optimizer state's size);
+  # the forced mechanisms show what it chose between.
+  for skip_with in ("cond", "select"):
+    variants[f"jmp_amp dynamic ({skip_with})"] = (
+        lambda skip_with=skip_with: v_jmp_amp(opt_name, lr, dyn(),
+                                              skip_with=skip_with))
   variants.update({
       "jmp by hand": lambda: v_jmp(opt_name, lr),
       "flax DynamicScale": lambda: v_flax(opt_name, lr),
