@@ -502,3 +502,30 @@ def _cpu_threshold_jit(ls, zero):
 
 def _cpu_threshold(ls, dtype):
   return _cpu_threshold_jit(ls, jnp.zeros((), dtype))
+
+
+@pytest.mark.parametrize("skip_with", ["auto", "cond", "select"])
+def test_skip_when_updates_change_shape_or_dtype(skip_with):
+  # The CPU cond passes a skipped step's gradients through as its updates
+  # where they match; an update of another dtype or shape gets -0.0 instead.
+  widen = optax.stateless(lambda g, p: {
+      "h": g["h"].astype(jnp.float32), "w": g["w"],
+      "v": jnp.concatenate([g["v"], g["v"]])})
+  opt = jmp_amp.loss_scaling(widen, jmp_amp.DynamicLossScale(4.0),
+                             skip_with=skip_with)
+  params = {"h": jnp.ones(3, jnp.float16), "w": jnp.ones(2),
+            "v": jnp.ones(2)}
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  good = {"h": jnp.full(3, 8.0, jnp.float16), "w": jnp.full(2, 4.0),
+          "v": jnp.array([4.0, 8.0])}
+  updates, state = update(good, state, params)
+  assert updates["h"].dtype == jnp.float32
+  np.testing.assert_array_equal(updates["h"], np.full(3, 2.0))
+  np.testing.assert_array_equal(updates["w"], np.full(2, 1.0))
+  np.testing.assert_array_equal(updates["v"], [1.0, 2.0, 1.0, 2.0])
+  bad = dict(good, w=jnp.array([jnp.nan, 1.0]))
+  updates, state = update(bad, state, params)
+  assert not bool(state.grads_finite)
+  for leaf in jax.tree_util.tree_leaves(updates):
+    assert np.all(np.asarray(leaf) == 0) and np.all(np.signbit(leaf))
