@@ -284,6 +284,9 @@ def test_auto_skips_with_cond_on_cpu_and_select_keeps_no_conditional(
       "conditional(")
   assert count("auto") == count("cond") == 1
   assert count("select") == 0
+  # SGD has no state to hold twice: auto selects.
+  sgd = jmp_amp.loss_scaling(optax.sgd(1e-3), jmp_amp.DynamicLossScale(2.0**4))
+  assert _compiled_text(sgd, small_params).count("conditional(") == 0
 
 
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
