@@ -222,9 +222,7 @@ def _unscaled_finite(loss_scale: ls_lib.LossScale, grads,
   it is `_finite_by_rows`, which compiles to fewer kernels on a GPU.
   """
   return jax.lax.platform_dependent(
-      grads, cpu=lambda g: _finite_on_cpu(
-          loss_scale, _row_major(g) if materialized_on_cpu else g,
-          materialized_on_cpu),
+      grads, cpu=lambda g: _finite_on_cpu(loss_scale, g, materialized_on_cpu),
       default=lambda g: _finite_by_rows(loss_scale, g))
 
 
@@ -284,16 +282,14 @@ def _skip_by_cond(finite, apply, grads, inner_state, params, on_cpu=False):
 
   On CPU and TPU the conditional runs on the device, so a skipped step costs
   nothing and a taken one holds one optimizer state, not two. A skipped step
-  returns updates of ``-0.0``; `on_cpu`, it returns the gradients themselves
-  (as row-major buffers, see `_row_major`) where an update has their shape
-  and type, and the updates are selected by `finite` outside the
+  returns updates of ``-0.0``; `on_cpu` (gradients made row-major by
+  `_row_major`), it returns the gradients themselves where an update has
+  their shape and type, and the updates are selected by `finite` outside the
   conditional: so XLA:CPU writes the updates over the gradients (when both
   branches make new buffers it needs one more), and the select fuses into
   `optax.apply_updates`. (Compiled for an H100, that form held 3.6x to
   8.8x bare optax's temp memory, so other backends keep the plain one.)
   """
-  if on_cpu:
-    grads = _row_major(grads)
   operands = (grads, inner_state, params)
 
   def take_raw(ops):
@@ -467,6 +463,8 @@ def loss_scaling(inner: optax.GradientTransformation,
                   else "select")
     else:
       cpu_skip = skip_with
+    if cpu_skip == "cond":  # the check and the skip read the same buffers.
+      updates = _row_major(updates)
     finite = _unscaled_finite(loss_scale, updates, cpu_skip == "cond")
     if check_loss:
       if "value" not in extra_args:
@@ -487,16 +485,12 @@ def loss_scaling(inner: optax.GradientTransformation,
       select = lambda *a: _skip_by_select(finite, apply, *a)
       cond = lambda *a: _skip_by_cond(finite, apply, *a)
       cpu_cond = lambda *a: _skip_by_cond(finite, apply, *a, on_cpu=True)
-      args = (updates, state.inner_state, params)
-      if skip_with == "auto":
-        new_updates, new_inner = jax.lax.platform_dependent(
-            *args, cpu=cpu_cond if cpu_skip == "cond" else select, tpu=cond,
-            default=select)
-      elif skip_with == "cond":
-        new_updates, new_inner = jax.lax.platform_dependent(
-            *args, cpu=cpu_cond, default=cond)
-      else:
-        new_updates, new_inner = select(*args)
+      elsewhere = {"auto": {"tpu": cond, "default": select},
+                   "cond": {"default": cond},
+                   "select": {"default": select}}[skip_with]
+      new_updates, new_inner = jax.lax.platform_dependent(
+          updates, state.inner_state, params,
+          cpu=cpu_cond if cpu_skip == "cond" else select, **elsewhere)
     skipped_steps = state.skipped_steps + jnp.logical_not(finite).astype(
         jnp.int32)
     return new_updates, LossScalingState(
