@@ -145,16 +145,23 @@ def test_bench_target_without_the_plugin_says_what_to_install(capsys):
   assert 'pip install "jmp-amp[gpu-audit]"' in capsys.readouterr().err
 
 
+def _bench_h100(tmp_path, capsys, *policies):
+  """Runs the bench CLI for an H100 on a small MLP: its table, its rows."""
+  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "bench.jsonl"
+  argv = ["bench", "--target", "h100", "--width", "64", "--batch-size", "16",
+          "--json", str(out)]
+  for policy in policies:
+    argv += ["--policy", policy]
+  assert bench.main(argv) == 0
+  return (capsys.readouterr().out,
+          [json.loads(line) for line in out.read_text().splitlines()])
+
+
 def test_bench_target_h100_table_and_json(tmp_path, capsys):
   _target_or_skip()
-  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
-  out = tmp_path / "h100.jsonl"
-  assert bench.main(["bench", "--target", "h100", "--width", "64",
-                     "--batch-size", "16", "--policy", "float32",
-                     "--policy", "bf16", "--json", str(out)]) == 0
-  text = capsys.readouterr().out
+  text, rows = _bench_h100(tmp_path, capsys, "float32", "bf16")
   assert LABEL in text and "8 x f32 x f32 -> f32" in text
-  rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["mode"] for r in rows] == ["float32", "bf16"]
   f32, bf16 = rows
   assert f32["label"] == LABEL and f32["temp_bytes_vs_float32"] == 1.0
@@ -165,16 +172,10 @@ def test_bench_target_h100_table_and_json(tmp_path, capsys):
 
 def test_bench_target_h100_fp8_modes_count_the_f8_gemms(tmp_path, capsys):
   _target_or_skip()
-  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
-  out = tmp_path / "fp8.jsonl"
-  assert bench.main(["bench", "--target", "h100", "--width", "64",
-                     "--batch-size", "16", "--policy", "fp8",
-                     "--policy", "autocast-fp8", "--json", str(out)]) == 0
-  text = capsys.readouterr().out
+  text, (rules, autocast) = _bench_h100(tmp_path, capsys, "fp8",
+                                       "autocast-fp8")
   assert "FP8 FLOPs" in text
   assert "1 x float8_e4m3fn x float8_e4m3fn -> bf16" in text
-  rules, autocast = [json.loads(line) for line in
-                     out.read_text().splitlines()]
   # fp8_rules keep the first and last of the 3 layers in bf16: the middle
   # layer's forward, input-gradient and weight-gradient GEMMs are FP8.
   assert rules["gemms_by_dtype"] == {
