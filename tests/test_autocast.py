@@ -1,5 +1,6 @@
 """Tests for jmp_amp.autocast: op-level torch.autocast semantics for JAX."""
 
+import collections
 import functools
 
 import chex
@@ -493,6 +494,32 @@ def test_float32_policy_is_identity(mlp):
     assert tree_bytes_equal(g(*mlp), f(*mlp))
     assert tree_bytes_equal(jax.grad(lambda *a: g(*a)[0])(*mlp),
                             jax.grad(lambda *a: f(*a)[0])(*mlp))
+
+
+@pytest.mark.parametrize("policy", [MIXED_BF16, "float8", "float32"])
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
+def test_fn_is_traced_once_per_call(policy, grad):
+  traces = collections.Counter()
+
+  def fn(w, x):
+    traces["fn"] += 1
+
+    def body(h, _):
+      traces["scan body"] += 1
+      return jnp.tanh(h @ w), None
+
+    def double(h):
+      traces["checkpointed"] += 1
+      return h * 2.0
+
+    h, _ = jax.lax.scan(body, x, None, length=3)
+    h = jax.checkpoint(double)(h)
+    return jax.lax.cond(h.sum() > 0, jnp.sum, jnp.max, h)
+
+  w, x = jnp.full((4, 4), 0.1), jnp.ones((2, 4))
+  amp_fn = jmp_amp.autocast(fn, policy)
+  jax.make_jaxpr(jax.grad(amp_fn) if grad else amp_fn)(w, x)
+  assert traces == {"fn": 1, "scan body": 1, "checkpointed": 1}
 
 
 # ---- Rules. ----------------------------------------------------------------
