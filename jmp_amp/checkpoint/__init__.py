@@ -1,14 +1,63 @@
-"""Checkpoint and resume mixed-precision training state with orbax."""
+"""Checkpoint and resume mixed-precision training state with orbax.
 
-from jmp_amp.checkpoint._manager import check_compatible
-from jmp_amp.checkpoint._manager import check_loss_scales
-from jmp_amp.checkpoint._manager import CheckpointCorruptedError
-from jmp_amp.checkpoint._manager import CheckpointExistsError
-from jmp_amp.checkpoint._manager import CheckpointFallbackWarning
+A thin layer over `orbax.checkpoint` (no pickle): orbax writes the arrays,
+sharded or not, and commits each step atomically; this package adds what a
+resumed mixed-precision run needs to be *the same run*, and refuses anything
+else:
+
+* the loss scales' static hyper-parameters (``period``, ``factor``, ...),
+  which are pytree aux data and so not in orbax's array checkpoint, are saved
+  as JSON next to the arrays, with a CRC-32 checksum of every array's bytes;
+* restore checks the target against what was saved -- tree structure, shapes,
+  dtypes and loss-scale hyper-parameters -- and raises
+  `CheckpointMismatchError` naming every mismatch. Orbax alone would silently
+  cast float32 params into a bfloat16 target, or restore a scale into a loss
+  scale with a new period;
+* restore verifies every array against its checksum and the restored loss
+  scales (finite, > 0); damaged files raise `CheckpointCorruptedError` naming
+  the step and the array or file, never changed values. `restore_latest` can
+  fall back to the newest intact step;
+* saving over an existing step, or below the latest one, raises
+  `CheckpointExistsError` unless ``overwrite=True``.
+
+Example (a checkpoint in a temporary directory):
+  >>> import tempfile
+  >>> from jmp_amp import checkpoint
+  >>> opt = jmp_amp.loss_scaling(optax.sgd(0.1),
+  ...                            jmp_amp.DynamicLossScale(2.0 ** 15))
+  >>> params = {"w": jnp.ones(3)}
+  >>> state = {"params": params, "opt_state": opt.init(params)}
+  >>> run_dir = tempfile.mkdtemp()
+  >>> checkpoint.save(run_dir, state, step=100)
+  >>> state, step = checkpoint.restore_latest(run_dir, target=state)
+  >>> step
+  100
+
+or, to keep the last few checkpoints of a run::
+
+  with checkpoint.CheckpointManager(run_dir, max_to_keep=3) as mngr:
+    mngr.save(step, state)
+    state = mngr.restore(state, fallback=True)  # mngr.restored_step says which
+
+`target` is a tree like the saved one: a freshly initialised state, or an
+abstract one (`jax.ShapeDtypeStruct` leaves, e.g. from `jax.eval_shape`);
+restored arrays take the target leaves' shardings. Flax NNX modules and
+`nnx.Optimizer`s may appear in the tree as they are: their `nnx.state` is
+saved, and restore updates the target's objects in place (and checks the
+optimizer's loss-scale hyper-parameters, which `nnx.state` alone drops).
+
+Not imported by `import jmp_amp`; needs ``pip install orbax-checkpoint``.
+"""
+
+from jmp_amp.checkpoint._compat import check_compatible
+from jmp_amp.checkpoint._compat import check_loss_scales
+from jmp_amp.checkpoint._compat import describe
+from jmp_amp.checkpoint._errors import CheckpointCorruptedError
+from jmp_amp.checkpoint._errors import CheckpointExistsError
+from jmp_amp.checkpoint._errors import CheckpointFallbackWarning
+from jmp_amp.checkpoint._errors import CheckpointMismatchError
+from jmp_amp.checkpoint._errors import InvalidLossScaleError
 from jmp_amp.checkpoint._manager import CheckpointManager
-from jmp_amp.checkpoint._manager import CheckpointMismatchError
-from jmp_amp.checkpoint._manager import describe
-from jmp_amp.checkpoint._manager import InvalidLossScaleError
 from jmp_amp.checkpoint._manager import latest_step
 from jmp_amp.checkpoint._manager import PathLike
 from jmp_amp.checkpoint._manager import restore

@@ -1,0 +1,252 @@
+"""What a checkpointed state looks like, and whether a restore target matches.
+
+`describe` writes down what orbax's array checkpoint leaves out: every leaf's
+path, shape and dtype and the loss scales' static hyper-parameters. `check_compatible` compares a target with that description and
+names every difference; `check_loss_scales` refuses restored loss scales a run
+cannot use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_amp._src import loss_scale as ls_lib
+from jmp_amp.checkpoint import _errors
+from jmp_amp.checkpoint import _nnx
+
+# /2 added per-array checksums; /1 checkpoints (without them) still restore.
+FORMAT = "jmp_amp.checkpoint/2"
+READABLE_FORMATS = ("jmp_amp.checkpoint/1", FORMAT)
+# DynamicLossScale's leaves when it flattens without keys.
+_DYNAMIC_FIELDS = ("loss_scale", "counter", "overflows")
+_LOSS_SCALE_TYPES = (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
+                     ls_lib.DynamicLossScale)
+_DYNAMIC_HYPERPARAMETERS = ("period", "factor", "min_loss_scale",
+                            "backoff_factor", "max_loss_scale", "hysteresis")
+_PYTHON_SCALARS = (bool, int, float, complex)
+_MAX_LISTED = 10
+
+
+def is_python_scalar(x: Any) -> bool:
+  return isinstance(x, _PYTHON_SCALARS)
+
+
+def _leaf_spec(x: Any, name: str) -> dict[str, Any]:
+  if isinstance(x, jax.ShapeDtypeStruct) or (
+      hasattr(x, "dtype") and hasattr(x, "shape")):
+    shape, dtype = tuple(x.shape), x.dtype
+  elif is_python_scalar(x):
+    shape, dtype = (), jnp.result_type(x)
+  else:
+    text = repr(x)
+    raise TypeError(
+        f"state leaf {name or '<root>'} is a {type(x).__name__} "
+        f"({text[:60] + '...' if len(text) > 60 else text}); a checkpoint "
+        "holds arrays, jax.ShapeDtypeStruct and Python numbers only")
+  # str(), not np.dtype(): PRNG key arrays have extended dtypes.
+  return {"shape": [int(d) for d in shape], "dtype": str(dtype)}
+
+
+def _loss_scale_spec(ls: Any) -> dict[str, Any]:
+  spec: dict[str, Any] = {"type": type(ls).__name__}
+  if isinstance(ls, ls_lib.StaticLossScale):
+    spec["loss_scale"] = ls.loss_scale
+  elif isinstance(ls, ls_lib.DynamicLossScale):
+    for name in _DYNAMIC_HYPERPARAMETERS:
+      spec[name] = getattr(ls, name)
+  return spec
+
+
+def is_loss_scale(x: Any) -> bool:
+  return isinstance(x, _LOSS_SCALE_TYPES)
+
+
+def named_leaves(tree: Any) -> list[tuple[str, Any]]:
+  """`(path, leaf)` in `jax.tree_util.tree_leaves` order; readable paths.
+
+  A loss scale's leaves are named by field (``....loss_scale.counter``) even
+  when its class flattens without keys.
+  """
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=is_loss_scale)[0]:
+    name = jax.tree_util.keystr(path)
+    if not is_loss_scale(x):
+      out.append((name, x))
+      continue
+    for sub, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
+      if (isinstance(x, ls_lib.DynamicLossScale) and len(sub) == 1
+          and isinstance(sub[0], jax.tree_util.FlattenedIndexKey)
+          and sub[0].key < len(_DYNAMIC_FIELDS)):
+        out.append((f"{name}.{_DYNAMIC_FIELDS[sub[0].key]}", leaf))
+      else:
+        out.append((name + jax.tree_util.keystr(sub), leaf))
+  return out
+
+
+def describe(state: Any) -> dict[str, Any]:
+  """The JSON-able description that `save` stores and `restore` checks.
+
+  Args:
+    state: a pytree of arrays (or `jax.ShapeDtypeStruct`s, NNX modules and
+      optimizers).
+
+  Returns:
+    ``{"format", "leaves": {path: {"shape", "dtype"}}, "loss_scales": {path:
+    {"type", hyper-parameters}}}``, paths as `jax.tree_util.keystr` gives
+    them.
+
+  Example:
+    >>> from jmp_amp import checkpoint
+    >>> ls = jmp_amp.DynamicLossScale(2.0 ** 15, period=100)
+    >>> desc = checkpoint.describe({"w": jnp.ones(3), "loss_scale": ls})
+    >>> desc["leaves"]["['w']"]
+    {'shape': [3], 'dtype': 'float32'}
+    >>> desc["loss_scales"]["['loss_scale']"]["period"]
+    100
+  """
+  leaves = {name: _leaf_spec(x, name)
+            for name, x in named_leaves(_nnx.saveable(state))}
+  # From `state` itself: nnx.state() keeps a loss scale's arrays but drops its
+  # hyper-parameters, which an nnx.Optimizer still holds.
+  scales = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=is_loss_scale)[0]:
+    if is_loss_scale(x):
+      scales[jax.tree_util.keystr(path)] = _loss_scale_spec(x)
+  return {"format": FORMAT, "leaves": leaves, "loss_scales": scales}
+
+
+def listing(paths: list[str]) -> str:
+  shown = ", ".join(paths[:_MAX_LISTED])
+  more = len(paths) - _MAX_LISTED
+  return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def _fmt_spec(spec: dict[str, Any]) -> str:
+  return f"{spec['dtype']}{list(spec['shape'])}"
+
+
+def _fmt_fields(kind: str, spec: dict[str, Any]) -> str:
+  args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k != "type")
+  return f"{kind}({args})"
+
+
+def _diff(saved: dict[str, Any], target: dict[str, Any]) -> str:
+  return "; ".join(f"{k}: saved {saved.get(k)!r}, target {target.get(k)!r}"
+                   for k in sorted(set(saved) | set(target))
+                   if saved.get(k) != target.get(k))
+
+
+def _leaf_problems(saved: dict[str, Any], target: dict[str, Any],
+                   cast_dtypes: bool) -> list[str]:
+  problems = []
+  missing = [p for p in saved if p not in target]
+  extra = [p for p in target if p not in saved]
+  if missing or extra:
+    msg = "tree structure differs:"
+    if missing:
+      msg += f"\n    in the checkpoint, not in the target: {listing(missing)}"
+    if extra:
+      msg += f"\n    in the target, not in the checkpoint: {listing(extra)}"
+    problems.append(msg)
+  common = [p for p in saved if p in target]
+  shapes = [f"{p}: saved {_fmt_spec(saved[p])}, target {_fmt_spec(target[p])}"
+            for p in common if saved[p]["shape"] != target[p]["shape"]]
+  if shapes:
+    problems.append("shape mismatch:\n    " + "\n    ".join(
+        shapes[:_MAX_LISTED]))
+  dtypes = [f"{p}: saved {saved[p]['dtype']}, target {target[p]['dtype']}"
+            for p in common if saved[p]["dtype"] != target[p]["dtype"]
+            and saved[p]["shape"] == target[p]["shape"]]
+  if dtypes and not cast_dtypes:
+    problems.append(
+        "dtype mismatch (a different precision policy?):\n    "
+        + "\n    ".join(dtypes[:_MAX_LISTED])
+        + (f"\n    (and {len(dtypes) - _MAX_LISTED} more)"
+           if len(dtypes) > _MAX_LISTED else "")
+        + "\n  Restore into the saved dtypes and cast (e.g. "
+        "policy.cast_to_param), or pass cast_dtypes=True.")
+  return problems
+
+
+def _loss_scale_problems(saved: dict[str, Any],
+                         target: dict[str, Any]) -> list[str]:
+  problems = []
+  for path in sorted(set(saved) | set(target)):
+    s, t = saved.get(path), target.get(path)
+    where = path or "<root>"
+    if s is None or t is None:
+      side = "target" if s is None else "checkpoint"
+      spec = t if s is None else s
+      problems.append(f"loss scale {where} is only in the {side}: "
+                      f"{_fmt_fields(spec['type'], spec)}")
+    elif s["type"] != t["type"]:
+      problems.append(f"loss scale {where}: saved "
+                      f"{_fmt_fields(s['type'], s)}, target "
+                      f"{_fmt_fields(t['type'], t)}")
+    elif s != t:
+      problems.append(f"loss scale hyper-parameters differ at {where} "
+                      f"({_diff(s, t)}); saved {_fmt_fields(s['type'], s)}")
+  return problems
+
+
+def check_compatible(saved: dict[str, Any], target: Any, *,
+                     cast_dtypes: bool = False) -> None:
+  """Raises `CheckpointMismatchError` if `target` differs from `saved`.
+
+  Args:
+    saved: the description stored with a checkpoint (see `describe`).
+    target: the tree to restore into.
+    cast_dtypes: accept dtype differences (orbax then casts, e.g. to resume
+      float32 params under a bfloat16 policy on purpose).
+  """
+  want = describe(target)
+  problems = (
+      _leaf_problems(saved["leaves"], want["leaves"], cast_dtypes)
+      + _loss_scale_problems(saved.get("loss_scales", {}),
+                             want["loss_scales"]))
+  if problems:
+    raise _errors.CheckpointMismatchError(
+        "checkpoint does not match the restore target:\n  - "
+        + "\n  - ".join(problems))
+
+
+def _loss_scale_problem(x: Any) -> Optional[str]:
+  """Why a restored loss scale cannot be used, or None."""
+  if (not isinstance(x, ls_lib.DynamicLossScale)
+      or isinstance(x.loss_scale, jax.ShapeDtypeStruct)):
+    return None  # No-op and static scales have no array leaves.
+  scale = np.asarray(_nnx.value(x.loss_scale))
+  if scale.shape != () or not (jnp.issubdtype(scale.dtype, jnp.floating) or
+                               jnp.issubdtype(scale.dtype, jnp.integer)):
+    return (f"loss_scale is {scale.dtype}{list(scale.shape)}, not a real "
+            "scalar")
+  if not (np.isfinite(scale) and scale > 0):
+    return (f"loss_scale is {scale.item()!r}; it must be a finite number > 0 "
+            "(a run whose scale went non-finite was saved?)")
+  for field in ("counter", "overflows"):
+    v = getattr(x, field, None)
+    if v is not None and np.any(np.asarray(_nnx.value(v)) < 0):
+      return f"{field} is {np.asarray(_nnx.value(v))!r}; it must be >= 0"
+  return None
+
+
+def check_loss_scales(tree: Any) -> None:
+  """Raises `InvalidLossScaleError` if a loss scale in `tree` is unusable.
+
+  A dynamic loss scale must be a finite float scalar > 0 with non-negative
+  counters; a NaN or infinite scale would skip every step of the resumed run.
+  Restore calls this on what it read.
+  """
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=is_loss_scale)[0]:
+    problem = _loss_scale_problem(x) if is_loss_scale(x) else None
+    if problem:
+      name = jax.tree_util.keystr(path) or "<root>"
+      raise _errors.InvalidLossScaleError(f"loss scale {name}: {problem}",
+                                          where=name)

@@ -1,0 +1,134 @@
+"""How a jmp_amp checkpoint sits in orbax, and how it is read back.
+
+A step holds two orbax items: ``state`` (the arrays, `StandardSave`) and
+``jmp_amp`` (the description from `describe`, with the checksums, as JSON).
+Restore reads the arrays in their *saved* dtypes (so that checksums are
+verified before any cast) and the target's shapes and shardings. A checkpoint
+without the ``jmp_amp`` item (plain orbax, or a jmp run) is read by orbax's
+own paths alone (`plain_layout`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jmp_amp._src import loss_scale as ls_lib
+from jmp_amp.checkpoint import _compat
+from jmp_amp.checkpoint import _errors
+
+STATE = "state"
+META = "jmp_amp"
+# JsonCheckpointHandler's file in the META item.
+META_FILE = f"{META}/metadata"
+
+
+def item_handlers() -> dict[str, Any]:
+  # Registered up front so that orbax's metadata can read plain orbax
+  # checkpoints too (verify=False).
+  return {STATE: ocp.StandardCheckpointHandler(),
+          META: ocp.JsonCheckpointHandler()}
+
+
+def save_args(saveable: Any, meta: dict[str, Any]) -> ocp.args.Composite:
+  return ocp.args.Composite(**{STATE: ocp.args.StandardSave(saveable),
+                               META: ocp.args.JsonSave(meta)})
+
+
+def meta_restore_args() -> ocp.args.Composite:
+  return ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+
+
+def state_restore_args(target: Any, saved_leaves: Optional[dict[str, Any]]
+                       ) -> ocp.args.Composite:
+  """Orbax's restore of `target`: its shapes and shardings, the *saved*
+  dtypes."""
+  leaves, treedef = jax.tree_util.tree_flatten(target)
+  names = [name for name, _ in _compat.named_leaves(target)]
+
+  def leaf(name, x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      x = ocp.tree.to_shape_dtype_struct(x)
+    if x.sharding is None:
+      # Orbax needs a sharding to place the restored array; the default
+      # device is what an unsharded run would use.
+      x = x.update(sharding=jax.sharding.SingleDeviceSharding(
+          jax.devices()[0]))
+    saved = (saved_leaves or {}).get(name)
+    if saved is not None and saved["dtype"] != str(x.dtype):
+      try:
+        x = x.update(dtype=jnp.dtype(saved["dtype"]))
+      except TypeError:  # an extended dtype (PRNG keys): keep the target's
+        pass
+    return x
+  abstract = jax.tree_util.tree_unflatten(
+      treedef, [leaf(n, x) for n, x in zip(names, leaves)])
+  return ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract)})
+
+
+def cast_like(restored: Any, target: Any) -> Any:
+  """`restored` in the dtypes of `target`'s leaves."""
+  def cast(r, t):
+    dtype = t.dtype if hasattr(t, "dtype") else jnp.result_type(t)
+    return r if r.dtype == dtype else r.astype(dtype)
+  return jax.tree_util.tree_map(cast, restored, target)
+
+
+def _paths(tree: Any) -> set[tuple[str, ...]]:
+  return set(ocp.tree.to_flat_dict(tree))
+
+
+def plain_layout(saved_tree: Any, saveable: Any
+                 ) -> tuple[Any, Optional[Callable[[Any], Any]]]:
+  """How to read a checkpoint without jmp_amp metadata into `saveable`.
+
+  Args:
+    saved_tree: orbax's tree metadata of the ``state`` item.
+    saveable: the restore target, NNX objects replaced by their state.
+
+  Returns:
+    ``(tree to restore into, None)`` when orbax's paths match the target's,
+    or ``(tree, rebuild)`` for jmp's layout: a jmp 0.0.4 `DynamicLossScale`
+    is stored as its leaves ``[loss_scale, counter]`` by index, read here into
+    jmp_amp's `DynamicLossScale` (``overflows``, which jmp lacks, starts at 0).
+
+  Raises:
+    CheckpointMismatchError: neither layout matches, naming the paths.
+  """
+  saved, want = _paths(saved_tree), _paths(saveable)
+  if saved == want:
+    return saveable, None
+
+  def jmp_leaves(x):
+    if not isinstance(x, ls_lib.DynamicLossScale):
+      return x
+    return tuple(leaf for name, leaf in _compat.named_leaves(x)
+                 if not name.endswith(".overflows"))
+  jmp_like = jax.tree_util.tree_map(jmp_leaves, saveable,
+                                    is_leaf=_compat.is_loss_scale)
+  if _paths(jmp_like) == saved:
+    def rebuild(restored):
+      def put(target, value):
+        if not isinstance(target, ls_lib.DynamicLossScale):
+          return value
+        values = iter(value)
+        leaves = [jnp.zeros(np.shape(leaf), leaf.dtype)
+                  if name.endswith(".overflows") else next(values)
+                  for name, leaf in _compat.named_leaves(target)]
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(target), leaves)
+      return jax.tree_util.tree_map(put, saveable, restored,
+                                    is_leaf=_compat.is_loss_scale)
+    return jmp_like, rebuild
+
+  fmt = lambda ks: _compat.listing(["/".join(k) for k in sorted(ks)])
+  msg = "checkpoint does not match the restore target (orbax paths):"
+  if saved - want:
+    msg += f"\n    in the checkpoint, not in the target: {fmt(saved - want)}"
+  if want - saved:
+    msg += f"\n    in the target, not in the checkpoint: {fmt(want - saved)}"
+  raise _errors.CheckpointMismatchError(msg)
