@@ -109,7 +109,7 @@ def make_train_step(opt, policy=F16, *, fault_key: Optional[jax.Array] = None,
   """
   def train_step(state, batch, step, grad_faults=None, act_faults=None):
     params, opt_state = state["params"], state["opt_state"]
-    loss_scale = jmp_amp.get_loss_scale(opt_state)
+    loss_scale = jmp_amp.get_scaling_state(opt_state).loss_scale
     key = None if fault_key is None else jax.random.fold_in(fault_key, step)
     act_key = None if key is None else jax.random.fold_in(key, 1)
 
