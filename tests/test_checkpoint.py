@@ -649,6 +649,45 @@ def test_an_uncommitted_save_is_not_a_step(saved_copy):
                           _plus(state, 1.0))
 
 
+def _leave_uncommitted(directory, step, leftover):
+  """A directory named like step `step` that orbax never committed."""
+  path = directory / str(step)
+  if leftover == "empty directory":
+    path.mkdir()
+    return
+  shutil.copytree(directory / str(STEP), path)
+  marker = path / "_CHECKPOINT_METADATA"  # orbax's step metadata
+  if leftover == "no step metadata":
+    marker.unlink()
+  else:  # written when orbax starts a save, without the time it committed
+    meta = json.loads(marker.read_text())
+    del meta["commit_timestamp_nsecs"]
+    marker.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("leftover", [
+    "empty directory", "no step metadata", "no commit time"])
+def test_latest_step_reports_only_committed_steps(saved_copy, leftover):
+  directory, state, _ = saved_copy
+  late = STEP + 5
+  _leave_uncommitted(directory, late, leftover)
+  assert checkpoint.latest_step(directory) == STEP
+  with checkpoint.CheckpointManager(directory) as mngr:
+    assert mngr.all_steps() == [STEP]
+    assert mngr.latest_step() == STEP
+  restored, step = checkpoint.restore_latest(directory, state)
+  assert step == STEP and tree_bytes_equal(restored, state)
+  with pytest.raises(FileNotFoundError,
+                     match=rf"no checkpoint for step {late} .*steps saved: "
+                     rf"\[{STEP}\]"):
+    checkpoint.restore(directory, state, step=late)
+  # Saving that step replaces what was left there.
+  checkpoint.save(directory, _plus(state, 1.0), step=late)
+  assert checkpoint.latest_step(directory) == late
+  assert tree_bytes_equal(checkpoint.restore(directory, state),
+                          _plus(state, 1.0))
+
+
 _SAVER = r"""
 import os, signal, sys
 import jax.numpy as jnp

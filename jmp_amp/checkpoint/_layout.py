@@ -1,7 +1,9 @@
 """How a jmp_amp checkpoint sits in orbax, and how it is read back.
 
-A step holds two orbax items: ``state`` (the arrays, `StandardSave`) and
-``jmp_amp`` (the description from `describe`, with the checksums, as JSON).
+Steps are orbax's, named by its standard name format; only the steps orbax
+committed count (`CommittedSteps`). A step holds two orbax items: ``state``
+(the arrays, `StandardSave`) and ``jmp_amp`` (the description from
+`describe`, with the checksums, as JSON).
 Restore reads the arrays in their *saved* dtypes (so that checksums are
 verified before any cast) and the target's shapes and shardings. A checkpoint
 without the ``jmp_amp`` item (plain orbax, or a jmp run) is read by orbax's
@@ -10,7 +12,8 @@ own paths alone (`plain_layout`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import os
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,44 @@ STATE = "state"
 META = "jmp_amp"
 # JsonCheckpointHandler's file in the META item.
 META_FILE = f"{META}/metadata"
+# The file in which orbax records a step's init and commit times.
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
+def _committed(step: ocp.step.Metadata) -> bool:
+  if step.commit_timestamp_nsecs is not None:
+    return True
+  # Step metadata that does not parse is damage, which restore then names
+  # (rather than silently skipping the step); a missing one, or one with no
+  # commit time, is a directory orbax never committed.
+  return (step.init_timestamp_nsecs is None
+          and os.path.exists(os.path.join(os.fspath(step.path),
+                                          _STEP_METADATA)))
+
+
+class CommittedSteps(ocp.step.NameFormat[ocp.step.Metadata]):
+  """Orbax's standard step names; only the steps orbax committed count.
+
+  On a local disk orbax commits a step by renaming its temporary directory,
+  so any directory named like a step passes its standard name format: an
+  empty one, or a copy cut short. Orbax's `all_steps` and `latest_step` use
+  this format, so they skip those too.
+  """
+
+  def __init__(self):
+    self._standard = ocp.step.standard_name_format()
+
+  def build_name(self, step: int) -> str:
+    return self._standard.build_name(step)
+
+  def find_all(self, base_path: Any) -> Iterator[ocp.step.Metadata]:
+    return (s for s in self._standard.find_all(base_path) if _committed(s))
+
+  def find_step(self, base_path: Any, step: int) -> ocp.step.Metadata:
+    found = self._standard.find_step(base_path, step)
+    if not _committed(found):
+      raise ValueError(f"step {step} in {base_path} was never committed")
+    return found
 
 
 def item_handlers() -> dict[str, Any]:

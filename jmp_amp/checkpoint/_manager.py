@@ -1,11 +1,11 @@
 """`CheckpointManager` and the one-call `save` / `restore` around it.
 
 An `orbax.checkpoint.CheckpointManager` does the work: it writes each step
-into a temporary directory and renames it when complete (so a killed save
-leaves no step), lists and deletes steps, keeps the newest `max_to_keep`.
-This manager adds the refusals: no save over an existing or later step
-without ``overwrite``, no restore that does not match, is damaged, or brings
-back an unusable loss scale.
+into a temporary directory and commits it (a rename and a commit time in the
+step's metadata, so a killed save leaves no step), lists and deletes steps,
+keeps the newest `max_to_keep`. This manager adds the refusals: no save over an
+existing or later step without ``overwrite``, no restore that does not match,
+is damaged, or brings back an unusable loss scale.
 """
 
 from __future__ import annotations
@@ -57,9 +57,11 @@ class CheckpointManager:
       raise ValueError(f"save_interval_steps must be an integer >= 1, got "
                        f"{save_interval_steps!r}")
     _check_bool(async_save, "async_save")
+    self._steps = _layout.CommittedSteps()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
-        create=True, enable_async_checkpointing=async_save)
+        create=True, enable_async_checkpointing=async_save,
+        step_name_format=self._steps)
     self._manager = ocp.CheckpointManager(
         directory, options=options, item_handlers=_layout.item_handlers())
     self.restored_step: Optional[int] = None
@@ -69,7 +71,8 @@ class CheckpointManager:
     return self._manager.directory
 
   def _step_dir(self, step: int) -> str:
-    return os.path.join(os.fspath(self.directory), str(step))
+    return os.path.join(os.fspath(self.directory),
+                        self._steps.build_name(step))
 
   def save(self, step: int, state: Any, *, overwrite: bool = False,
            force: bool = False) -> bool:
@@ -271,11 +274,11 @@ class CheckpointManager:
           "are damaged", name)
 
   def latest_step(self) -> Optional[int]:
-    """The newest step, or None."""
+    """The newest committed step, or None."""
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    """The saved steps, oldest first."""
+    """The committed steps, oldest first."""
     return sorted(self._manager.all_steps())
 
   def wait_until_finished(self) -> None:
@@ -385,7 +388,7 @@ def restore_latest(directory: PathLike, target: Any, *,
 
 
 def latest_step(directory: PathLike) -> Optional[int]:
-  """The newest checkpoint step in `directory`, or None."""
+  """The newest committed checkpoint step in `directory`, or None."""
   directory = _check_directory(directory)
   if not os.path.isdir(directory):
     return None
