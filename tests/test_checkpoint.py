@@ -142,6 +142,27 @@ def test_round_trip_keeps_every_leaf_and_hyperparameter(tmp_path):
   assert restored["opt_state"].loss_scale == state["opt_state"].loss_scale
 
 
+@pytest.mark.parametrize("cast_dtypes", [False, True])
+def test_python_and_numpy_numbers_restore_as_the_target_holds_them(
+    tmp_path, cast_dtypes):
+  state = {**rh.init_state(0, _optimizer()), "step": 1234, "lr": 3e-4,
+           "warmup": True, "epoch": np.int32(7)}
+  checkpoint.save(tmp_path, state, step=1)
+  target = {**rh.init_state(5, _optimizer()), "step": 0, "lr": 0.0,
+            "warmup": False, "epoch": np.int32(0)}
+  restored = checkpoint.restore(tmp_path, target, cast_dtypes=cast_dtypes)
+  assert type(restored["step"]) is int and restored["step"] == 1234
+  assert type(restored["lr"]) is float and restored["lr"] == 3e-4
+  assert restored["warmup"] is True
+  assert restored["epoch"].dtype == np.int32 and int(restored["epoch"]) == 7
+  assert tree_bytes_equal(
+      {k: restored[k] for k in ("params", "opt_state")},
+      {k: state[k] for k in ("params", "opt_state")})
+  # An abstract target (jax.eval_shape) reads them as arrays.
+  abstract = checkpoint.restore(tmp_path, jax.eval_shape(lambda: target))
+  assert int(abstract["step"]) == 1234 and bool(abstract["warmup"])
+
+
 def test_manager_keeps_steps_and_restores_latest_or_chosen(tmp_path):
   opt = _optimizer()
   states = [rh.init_state(i, opt) for i in range(3)]

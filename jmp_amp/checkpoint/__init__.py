@@ -26,12 +26,12 @@ Example (a checkpoint in a temporary directory):
   >>> opt = jmp_amp.loss_scaling(optax.sgd(0.1),
   ...                            jmp_amp.DynamicLossScale(2.0 ** 15))
   >>> params = {"w": jnp.ones(3)}
-  >>> state = {"params": params, "opt_state": opt.init(params)}
+  >>> state = {"params": params, "opt_state": opt.init(params), "epoch": 2}
   >>> run_dir = tempfile.mkdtemp()
   >>> checkpoint.save(run_dir, state, step=100)
   >>> state, step = checkpoint.restore_latest(run_dir, target=state)
-  >>> step
-  100
+  >>> step, state["epoch"]
+  (100, 2)
 
 or, to keep the last few checkpoints of a run::
 
@@ -41,10 +41,11 @@ or, to keep the last few checkpoints of a run::
 
 `target` is a tree like the saved one: a freshly initialised state, or an
 abstract one (`jax.ShapeDtypeStruct` leaves, e.g. from `jax.eval_shape`);
-restored arrays take the target leaves' shardings. Flax NNX modules and
-`nnx.Optimizer`s may appear in the tree as they are: their `nnx.state` is
-saved, and restore updates the target's objects in place (and checks the
-optimizer's loss-scale hyper-parameters, which `nnx.state` alone drops).
+restored arrays take the target leaves' shardings, Python numbers the target's
+Python types. Flax NNX modules and `nnx.Optimizer`s may appear in the tree as
+they are: their `nnx.state` is saved, and restore updates the target's objects
+in place (and checks the optimizer's loss-scale hyper-parameters, which
+`nnx.state` alone drops).
 
 Not imported by `import jmp_amp`; needs ``pip install orbax-checkpoint``.
 """

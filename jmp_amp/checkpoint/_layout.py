@@ -87,13 +87,17 @@ def meta_restore_args() -> ocp.args.Composite:
 def state_restore_args(target: Any, saved_leaves: Optional[dict[str, Any]]
                        ) -> ocp.args.Composite:
   """Orbax's restore of `target`: its shapes and shardings, the *saved*
-  dtypes."""
+  dtypes; Python numbers come back as the target's Python type."""
   leaves, treedef = jax.tree_util.tree_flatten(target)
   names = [name for name, _ in _compat.named_leaves(target)]
 
   def leaf(name, x):
+    if _compat.is_python_scalar(x):
+      return x
     if not isinstance(x, jax.ShapeDtypeStruct):
       x = ocp.tree.to_shape_dtype_struct(x)
+    if not isinstance(x, jax.ShapeDtypeStruct):  # a NumPy scalar
+      x = jax.ShapeDtypeStruct((), np.result_type(x))
     if x.sharding is None:
       # Orbax needs a sharding to place the restored array; the default
       # device is what an unsharded run would use.
@@ -112,10 +116,11 @@ def state_restore_args(target: Any, saved_leaves: Optional[dict[str, Any]]
 
 
 def cast_like(restored: Any, target: Any) -> Any:
-  """`restored` in the dtypes of `target`'s leaves."""
+  """`restored` in the dtypes of `target`'s leaves (Python numbers as read)."""
   def cast(r, t):
-    dtype = t.dtype if hasattr(t, "dtype") else jnp.result_type(t)
-    return r if r.dtype == dtype else r.astype(dtype)
+    if _compat.is_python_scalar(t):
+      return r
+    return r if r.dtype == t.dtype else r.astype(t.dtype)
   return jax.tree_util.tree_map(cast, restored, target)
 
 

@@ -167,7 +167,7 @@ class CheckpointManager:
 
     Args:
       target: a tree like the saved one (arrays or `jax.ShapeDtypeStruct`s,
-        NNX modules and optimizers).
+        Python numbers, NNX modules and optimizers).
       step: the step to restore; None for the latest.
       cast_dtypes: accept dtype differences and cast to the target's dtypes
         (after the checksums are verified in the saved dtypes).
