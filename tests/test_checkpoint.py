@@ -13,6 +13,7 @@ it; the exhaustive damage runs and the killed subprocess are marked slow.
 """
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -585,6 +586,110 @@ def test_restored_invalid_loss_scale_is_refused(saved_copy):
 
 
 # --------------------------------------------------------------------------
+# FP8 state: recipes are checked like loss-scale hyper-parameters, amax
+# histories like loss scales.
+
+
+def _fp8_model(recipe, seed=0):
+  nnx = pytest.importorskip("flax.nnx")
+  jflax = pytest.importorskip("jmp_amp.flax")
+  init = {"kernel_init": rh.numpy_init}
+  model = nnx.Sequential(
+      *[nnx.Linear(4, 4, **init, rngs=nnx.Rngs(seed + i)) for i in range(3)])
+  return jflax.set_fp8(model, recipe, keep_first_last=False)
+
+
+def _fp8_ops(model):
+  return list(pytest.importorskip("jmp_amp.flax").fp8_modules(model).values())
+
+
+DELAYED = jmp_amp.FP8Recipe(scaling="delayed", history_len=4, margin=0)
+
+
+@pytest.fixture(scope="module")
+def saved_fp8(tmp_path_factory):
+  """Step 1: an FP8 model with finite histories."""
+  model = _fp8_model(DELAYED)
+  for i, op in enumerate(_fp8_ops(model)):
+    op.lhs_amax_history[...] = jnp.array([1.5, 2.0, 0.0, 0.0]) * (i + 1)
+  directory = tmp_path_factory.mktemp("fp8")
+  checkpoint.save(directory, {"model": model}, step=1)
+  return directory, model
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"margin": 4}, r"margin: saved 0, target 4"),
+    ({"scaling": "current"}, r"scaling: saved 'delayed', target 'current'"),
+    ({"fwd_dtype": jnp.float8_e5m2},
+     r"fwd_dtype: saved 'float8_e4m3fn', target 'float8_e5m2'"),
+], ids=["margin", "scaling", "fwd_dtype"])
+def test_a_changed_fp8_recipe_is_named(saved_fp8, change, match):
+  nnx = pytest.importorskip("flax.nnx")
+  directory, model = saved_fp8
+  recipe = dataclasses.replace(DELAYED, **change)
+  target = _fp8_model(recipe)
+  before = nnx.state(target)
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"FP8 recipes differ at "
+                     + ", ".join(rf"\['model'\]\['layers'\]\[{i}\]"
+                                 r"\['dot_general'\]" for i in range(3))
+                     + r" \(" + match
+                     + r"\); saved FP8Recipe\(scaling='delayed', "
+                     r"history_len=4, margin=0"):
+    checkpoint.restore(directory, {"model": target})
+  assert tree_bytes_equal(nnx.state(target), before)  # untouched
+  # The same recipe restores, histories included.
+  same = checkpoint.restore(directory, {"model": _fp8_model(DELAYED, seed=9)})
+  assert tree_bytes_equal(nnx.state(same["model"]), nnx.state(model))
+
+
+@pytest.mark.parametrize("value", [np.inf, np.nan, -1.0])
+def test_a_non_finite_fp8_amax_history_is_refused(saved_fp8, tmp_path, value):
+  nnx = pytest.importorskip("flax.nnx")
+  directory, model = saved_fp8
+  shutil.copytree(directory, tmp_path / "run")
+  bad = _fp8_model(DELAYED)
+  nnx.update(bad, nnx.state(model))
+  _fp8_ops(bad)[1].grad_amax_history[...] = jnp.array([0.5, value, 0.0, 0.0])
+  checkpoint.save(tmp_path / "run", {"model": bad}, step=2)
+  target = _fp8_model(DELAYED, seed=9)
+  before = nnx.state(target)
+  with pytest.raises(checkpoint.InvalidFP8StateError,
+                     match=r"checkpoint step 2 in .*: FP8 amax history "
+                     r"\['model'\]\['layers'\]\[1\]\['dot_general'\]"
+                     r"\['grad_amax_history'\] "
+                     r"holds .* \(index 1\); amaxes must be finite and >= 0"
+                     ) as info:
+    checkpoint.restore(tmp_path / "run", {"model": target})
+  assert isinstance(info.value, checkpoint.CheckpointCorruptedError)
+  assert info.value.step == 2
+  assert info.value.where == (
+      "['model']['layers'][1]['dot_general']['grad_amax_history']")
+  assert tree_bytes_equal(nnx.state(target), before)  # untouched
+  with pytest.warns(checkpoint.CheckpointFallbackWarning,
+                    match=r"skipped damaged steps \[2\]"):
+    restored, step = checkpoint.restore_latest(tmp_path / "run",
+                                               {"model": target})
+  assert step == 1
+  assert tree_bytes_equal(nnx.state(restored["model"]), nnx.state(model))
+
+
+def test_fp8_state_in_a_plain_tree_is_checked(tmp_path):
+  good = jmp_amp.FP8State(jnp.zeros(4), jnp.array([1.0, 2.0, 0.0, 0.0]),
+                          jnp.zeros(4))
+  state = {"w": jnp.ones(3), "fp8": good}
+  checkpoint.save(tmp_path, state, step=1)
+  assert tree_bytes_equal(checkpoint.restore(tmp_path, state), state)
+  checkpoint.save(tmp_path, {**state, "fp8": good._replace(
+      rhs=jnp.array([1.0, np.nan, 0.0, 0.0]))}, step=2)
+  with pytest.raises(checkpoint.InvalidFP8StateError,
+                     match=r"step 2 .*FP8 amax history \['fp8'\]\.rhs holds "
+                     r"nan \(index 1\)") as info:
+    checkpoint.restore(tmp_path, state)
+  assert info.value.where == "['fp8'].rhs"
+
+
+# --------------------------------------------------------------------------
 # Checkpoints written without jmp_amp: plain orbax, and jmp's loss scale.
 
 
@@ -634,22 +739,30 @@ def test_jmp_dynamic_loss_scale_checkpoint_restores_into_jmp_amp(tmp_path):
   assert float(ls.loss_scale) == 2.0**11 and int(ls.counter) == 0
 
 
-def test_checkpoint_without_checksums_from_format_1_still_restores(
+def test_checkpoints_of_older_formats_still_restore(
     saved_copy):
   directory, state, _ = saved_copy
   path = directory / str(STEP) / "jmp_amp" / "metadata"
   meta = json.loads(path.read_text())
-  assert meta["format"] == "jmp_amp.checkpoint/2"
+  assert meta["format"] == "jmp_amp.checkpoint/3"
   assert len(meta["checksums"]["arrays"]) == len(meta["leaves"])
-  del meta["checksums"]
-  path.write_text(json.dumps({**meta, "format": "jmp_amp.checkpoint/1"}))
+  assert meta["fp8_recipes"] == {}
+  # /2 had no FP8 recipes, /1 no checksums either: both still restore.
+  old = {k: v for k, v in meta.items() if k != "fp8_recipes"}
+  path.write_text(json.dumps({**old, "format": "jmp_amp.checkpoint/2"}))
   assert tree_bytes_equal(checkpoint.restore(directory, state), state)
-  # A /2 checkpoint without its checksums is damaged, not old.
-  path.write_text(json.dumps(meta))
-  with pytest.raises(checkpoint.CheckpointCorruptedError,
-                     match=r"damaged metadata \(file jmp_amp/metadata\): no "
-                     r"'checksums' table"):
-    checkpoint.restore(directory, state)
+  del old["checksums"]
+  path.write_text(json.dumps({**old, "format": "jmp_amp.checkpoint/1"}))
+  assert tree_bytes_equal(checkpoint.restore(directory, state), state)
+  # A /3 checkpoint without its checksums or recipes is damaged, not old.
+  for table, name in [("checksums", "'checksums' table"),
+                      ("fp8_recipes", "'leaves' / 'loss_scales' / "
+                       "'fp8_recipes' tables")]:
+    path.write_text(json.dumps({k: v for k, v in meta.items() if k != table}))
+    with pytest.raises(checkpoint.CheckpointCorruptedError,
+                       match=r"damaged metadata \(file jmp_amp/metadata\): "
+                       rf"no {name}"):
+      checkpoint.restore(directory, state)
 
 
 # --------------------------------------------------------------------------

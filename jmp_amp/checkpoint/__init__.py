@@ -1,22 +1,23 @@
 """Checkpoint and resume mixed-precision training state with orbax.
 
 A thin layer over `orbax.checkpoint` (no pickle): orbax writes the arrays,
-sharded or not, and commits each step atomically; this package adds what a
-resumed mixed-precision run needs to be *the same run*, and refuses anything
-else:
+sharded or not, commits each step atomically and lists the committed steps;
+this package adds what a resumed mixed-precision run needs to be *the same
+run*, and refuses anything else:
 
-* the loss scales' static hyper-parameters (``period``, ``factor``, ...),
-  which are pytree aux data and so not in orbax's array checkpoint, are saved
-  as JSON next to the arrays, with a CRC-32 checksum of every array's bytes;
+* the loss scales' static hyper-parameters (``period``, ``factor``, ...) and
+  the FP8 ops' recipes (``margin``, ``history_len``, ...), which are not in
+  orbax's array checkpoint, are saved as JSON next to the arrays, with a
+  CRC-32 checksum of every array's bytes;
 * restore checks the target against what was saved -- tree structure, shapes,
-  dtypes and loss-scale hyper-parameters -- and raises
+  dtypes, loss-scale hyper-parameters and FP8 recipes -- and raises
   `CheckpointMismatchError` naming every mismatch. Orbax alone would silently
   cast float32 params into a bfloat16 target, or restore a scale into a loss
   scale with a new period;
-* restore verifies every array against its checksum and the restored loss
-  scales (finite, > 0); damaged files raise `CheckpointCorruptedError` naming
-  the step and the array or file, never changed values. `restore_latest` can
-  fall back to the newest intact step;
+* restore verifies every array against its checksum, the restored loss scales
+  (finite, > 0) and FP8 amax histories (finite, >= 0); damaged files raise
+  `CheckpointCorruptedError` naming the step and the array or file, never
+  changed values. `restore_latest` can fall back to the newest intact step;
 * saving over an existing step, or below the latest one, raises
   `CheckpointExistsError` unless ``overwrite=True``.
 
@@ -44,8 +45,8 @@ abstract one (`jax.ShapeDtypeStruct` leaves, e.g. from `jax.eval_shape`);
 restored arrays take the target leaves' shardings, Python numbers the target's
 Python types. Flax NNX modules and `nnx.Optimizer`s may appear in the tree as
 they are: their `nnx.state` is saved, and restore updates the target's objects
-in place (and checks the optimizer's loss-scale hyper-parameters, which
-`nnx.state` alone drops).
+in place (and checks the optimizer's loss-scale hyper-parameters and the
+modules' FP8 recipes, which `nnx.state` alone drops).
 
 Not imported by `import jmp_amp`; needs ``pip install orbax-checkpoint``.
 """
@@ -57,6 +58,7 @@ from jmp_amp.checkpoint._errors import CheckpointCorruptedError
 from jmp_amp.checkpoint._errors import CheckpointExistsError
 from jmp_amp.checkpoint._errors import CheckpointFallbackWarning
 from jmp_amp.checkpoint._errors import CheckpointMismatchError
+from jmp_amp.checkpoint._errors import InvalidFP8StateError
 from jmp_amp.checkpoint._errors import InvalidLossScaleError
 from jmp_amp.checkpoint._manager import CheckpointManager
 from jmp_amp.checkpoint._manager import latest_step
@@ -71,6 +73,7 @@ __all__ = (
     "CheckpointFallbackWarning",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "InvalidFP8StateError",
     "InvalidLossScaleError",
     "PathLike",
     "check_compatible",

@@ -1,7 +1,8 @@
 """What a checkpointed state looks like, and whether a restore target matches.
 
 `describe` writes down what orbax's array checkpoint leaves out: every leaf's
-path, shape and dtype and the loss scales' static hyper-parameters. `check_compatible` compares a target with that description and
+path, shape and dtype, the loss scales' static hyper-parameters and the FP8
+ops' recipes. `check_compatible` compares a target with that description and
 names every difference; `check_loss_scales` refuses restored loss scales a run
 cannot use.
 """
@@ -16,11 +17,12 @@ import numpy as np
 
 from jmp_amp._src import loss_scale as ls_lib
 from jmp_amp.checkpoint import _errors
+from jmp_amp.checkpoint import _fp8
 from jmp_amp.checkpoint import _nnx
 
-# /2 added per-array checksums; /1 checkpoints (without them) still restore.
-FORMAT = "jmp_amp.checkpoint/2"
-READABLE_FORMATS = ("jmp_amp.checkpoint/1", FORMAT)
+# /2 added per-array checksums, /3 the FP8 recipes; older ones still restore.
+FORMAT = "jmp_amp.checkpoint/3"
+READABLE_FORMATS = ("jmp_amp.checkpoint/1", "jmp_amp.checkpoint/2", FORMAT)
 # DynamicLossScale's leaves when it flattens without keys.
 _DYNAMIC_FIELDS = ("loss_scale", "counter", "overflows")
 _LOSS_SCALE_TYPES = (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
@@ -92,13 +94,13 @@ def describe(state: Any) -> dict[str, Any]:
   """The JSON-able description that `save` stores and `restore` checks.
 
   Args:
-    state: a pytree of arrays (or `jax.ShapeDtypeStruct`s, NNX modules and
-      optimizers).
+    state: a pytree of arrays (or `jax.ShapeDtypeStruct`s, Python numbers,
+      NNX modules and optimizers).
 
   Returns:
     ``{"format", "leaves": {path: {"shape", "dtype"}}, "loss_scales": {path:
-    {"type", hyper-parameters}}}``, paths as `jax.tree_util.keystr` gives
-    them.
+    {"type", hyper-parameters}}, "fp8_recipes": {path: recipe fields}}``,
+    paths as `jax.tree_util.keystr` gives them.
 
   Example:
     >>> from jmp_amp import checkpoint
@@ -112,13 +114,15 @@ def describe(state: Any) -> dict[str, Any]:
   leaves = {name: _leaf_spec(x, name)
             for name, x in named_leaves(_nnx.saveable(state))}
   # From `state` itself: nnx.state() keeps a loss scale's arrays but drops its
-  # hyper-parameters, which an nnx.Optimizer still holds.
+  # hyper-parameters, which an nnx.Optimizer still holds (and an NNX module
+  # its FP8 recipes).
   scales = {}
   for path, x in jax.tree_util.tree_flatten_with_path(
       state, is_leaf=is_loss_scale)[0]:
     if is_loss_scale(x):
       scales[jax.tree_util.keystr(path)] = _loss_scale_spec(x)
-  return {"format": FORMAT, "leaves": leaves, "loss_scales": scales}
+  return {"format": FORMAT, "leaves": leaves, "loss_scales": scales,
+          "fp8_recipes": _fp8.recipes(state)}
 
 
 def listing(paths: list[str]) -> str:
@@ -195,6 +199,20 @@ def _loss_scale_problems(saved: dict[str, Any],
   return problems
 
 
+def _fp8_recipe_problems(saved: dict[str, Any],
+                         target: dict[str, Any]) -> list[str]:
+  # Only where both sides have an FP8 op: an op on one side only has
+  # histories on one side only, which the tree structure check names (and a
+  # checkpoint of a bare `nnx.state` holds no recipes to compare).
+  by_diff: dict[str, list[str]] = {}
+  for path in sorted(set(saved) & set(target)):
+    if saved[path] != target[path]:
+      by_diff.setdefault(_diff(saved[path], target[path]), []).append(path)
+  return [f"FP8 recipes differ at {listing(paths)} ({diff}); saved "
+          f"{_fmt_fields('FP8Recipe', saved[paths[0]])}"
+          for diff, paths in by_diff.items()]
+
+
 def check_compatible(saved: dict[str, Any], target: Any, *,
                      cast_dtypes: bool = False) -> None:
   """Raises `CheckpointMismatchError` if `target` differs from `saved`.
@@ -209,7 +227,9 @@ def check_compatible(saved: dict[str, Any], target: Any, *,
   problems = (
       _leaf_problems(saved["leaves"], want["leaves"], cast_dtypes)
       + _loss_scale_problems(saved.get("loss_scales", {}),
-                             want["loss_scales"]))
+                             want["loss_scales"])
+      + _fp8_recipe_problems(saved.get("fp8_recipes", {}),
+                             want["fp8_recipes"]))
   if problems:
     raise _errors.CheckpointMismatchError(
         "checkpoint does not match the restore target:\n  - "

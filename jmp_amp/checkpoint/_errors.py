@@ -48,5 +48,9 @@ class InvalidLossScaleError(CheckpointCorruptedError):
   """A restored loss scale is not finite and > 0 (or its counters < 0)."""
 
 
+class InvalidFP8StateError(CheckpointCorruptedError):
+  """A restored FP8 amax history holds a value that is not finite and >= 0."""
+
+
 class CheckpointFallbackWarning(UserWarning):
   """`restore(..., fallback=True)` skipped damaged steps."""

@@ -84,8 +84,9 @@ def metadata_problem(meta: Any) -> Optional[str]:
   if fmt not in _compat.READABLE_FORMATS:
     return f"unknown format {fmt!r}"
   leaves, scales = meta.get("leaves"), meta.get("loss_scales")
-  if not isinstance(leaves, dict) or not isinstance(scales, dict):
-    return "no 'leaves' / 'loss_scales' tables"
+  recipes = meta.get("fp8_recipes", None if fmt == _compat.FORMAT else {})
+  if not all(isinstance(t, dict) for t in (leaves, scales, recipes)):
+    return "no 'leaves' / 'loss_scales' / 'fp8_recipes' tables"
   for name, spec in leaves.items():
     if not (isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
             and isinstance(spec.get("shape"), list)
@@ -94,6 +95,9 @@ def metadata_problem(meta: Any) -> Optional[str]:
   for name, spec in scales.items():
     if not (isinstance(spec, dict) and isinstance(spec.get("type"), str)):
       return f"bad loss scale entry {name}: {spec!r}"
+  for name, spec in recipes.items():
+    if not isinstance(spec, dict):
+      return f"bad FP8 recipe entry {name}: {spec!r}"
   sums = meta.get("checksums")
   if sums is not None and not (
       isinstance(sums, dict) and isinstance(sums.get("arrays"), dict)

@@ -5,7 +5,7 @@ into a temporary directory and commits it (a rename and a commit time in the
 step's metadata, so a killed save leaves no step), lists and deletes steps,
 keeps the newest `max_to_keep`. This manager adds the refusals: no save over an
 existing or later step without ``overwrite``, no restore that does not match,
-is damaged, or brings back an unusable loss scale.
+is damaged, or brings back an unusable loss scale or FP8 history.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 
 from jmp_amp.checkpoint import _compat
 from jmp_amp.checkpoint import _errors
+from jmp_amp.checkpoint import _fp8
 from jmp_amp.checkpoint import _integrity
 from jmp_amp.checkpoint import _layout
 from jmp_amp.checkpoint import _nnx
@@ -183,8 +184,8 @@ class CheckpointManager:
       FileNotFoundError: no checkpoint (at `step`).
       CheckpointMismatchError: `target` differs from what was saved.
       CheckpointCorruptedError: the files are damaged (every candidate step,
-        with `fallback`), or a restored loss scale is invalid
-        (`InvalidLossScaleError`).
+        with `fallback`), or a restored loss scale or FP8 amax history is
+        invalid (`InvalidLossScaleError`, `InvalidFP8StateError`).
     """
     cast_dtypes = _check_bool(cast_dtypes, "cast_dtypes")
     fallback = _check_bool(fallback, "fallback")
@@ -254,10 +255,10 @@ class CheckpointManager:
     try:
       # Checked before the target's NNX objects are updated in place.
       _compat.check_loss_scales(_nnx.copies(target, state))
-    except _errors.InvalidLossScaleError as e:
-      raise _errors.InvalidLossScaleError(
-          f"checkpoint step {step} in {self.directory}: {e}", step=step,
-          where=e.where) from None
+      _fp8.check_histories(state)
+    except (_errors.InvalidLossScaleError, _errors.InvalidFP8StateError) as e:
+      raise type(e)(f"checkpoint step {step} in {self.directory}: {e}",
+                    step=step, where=e.where) from None
     return _nnx.update_objects(target, state)
 
   def _verify_checksums(self, step: int, meta: dict[str, Any],
@@ -357,8 +358,9 @@ def restore(directory: PathLike, target: Any, step: Optional[int] = None, *,
 
   Raises:
     FileNotFoundError: no checkpoint there.
-    CheckpointMismatchError: `target`'s structure, shapes, dtypes or loss-scale
-      hyper-parameters differ from the checkpoint's (a ValueError).
+    CheckpointMismatchError: `target`'s structure, shapes, dtypes, loss-scale
+      hyper-parameters or FP8 recipes differ from the checkpoint's (a
+      ValueError).
     CheckpointCorruptedError: the checkpoint's files are damaged (a
       ValueError).
   """
