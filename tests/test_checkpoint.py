@@ -857,7 +857,8 @@ def test_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
   print(f"restored step {step}; left behind: {leftovers}")
   if step == 1:
     assert leftovers  # the kill came mid-write
-    np.testing.assert_array_equal(restored["w"], np.arange(16, dtype=np.float32))
+    np.testing.assert_array_equal(restored["w"],
+                                  np.arange(16, dtype=np.float32))
   else:  # the save finished before the kill: step 2 must be whole
     assert step == 2
     restored = checkpoint.restore(tmp_path, {

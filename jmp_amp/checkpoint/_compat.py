@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_amp._src import loss_scale as ls_lib
+import jmp_amp
 from jmp_amp.checkpoint import _errors
 from jmp_amp.checkpoint import _fp8
 from jmp_amp.checkpoint import _nnx
@@ -25,8 +25,8 @@ FORMAT = "jmp_amp.checkpoint/3"
 READABLE_FORMATS = ("jmp_amp.checkpoint/1", "jmp_amp.checkpoint/2", FORMAT)
 # DynamicLossScale's leaves when it flattens without keys.
 _DYNAMIC_FIELDS = ("loss_scale", "counter", "overflows")
-_LOSS_SCALE_TYPES = (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
-                     ls_lib.DynamicLossScale)
+_LOSS_SCALE_TYPES = (jmp_amp.NoOpLossScale, jmp_amp.StaticLossScale,
+                     jmp_amp.DynamicLossScale)
 _DYNAMIC_HYPERPARAMETERS = ("period", "factor", "min_loss_scale",
                             "backoff_factor", "max_loss_scale", "hysteresis")
 _PYTHON_SCALARS = (bool, int, float, complex)
@@ -55,9 +55,9 @@ def _leaf_spec(x: Any, name: str) -> dict[str, Any]:
 
 def _loss_scale_spec(ls: Any) -> dict[str, Any]:
   spec: dict[str, Any] = {"type": type(ls).__name__}
-  if isinstance(ls, ls_lib.StaticLossScale):
+  if isinstance(ls, jmp_amp.StaticLossScale):
     spec["loss_scale"] = ls.loss_scale
-  elif isinstance(ls, ls_lib.DynamicLossScale):
+  elif isinstance(ls, jmp_amp.DynamicLossScale):
     for name in _DYNAMIC_HYPERPARAMETERS:
       spec[name] = getattr(ls, name)
   return spec
@@ -81,7 +81,7 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
       out.append((name, x))
       continue
     for sub, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
-      if (isinstance(x, ls_lib.DynamicLossScale) and len(sub) == 1
+      if (isinstance(x, jmp_amp.DynamicLossScale) and len(sub) == 1
           and isinstance(sub[0], jax.tree_util.FlattenedIndexKey)
           and sub[0].key < len(_DYNAMIC_FIELDS)):
         out.append((f"{name}.{_DYNAMIC_FIELDS[sub[0].key]}", leaf))
@@ -238,7 +238,7 @@ def check_compatible(saved: dict[str, Any], target: Any, *,
 
 def _loss_scale_problem(x: Any) -> Optional[str]:
   """Why a restored loss scale cannot be used, or None."""
-  if (not isinstance(x, ls_lib.DynamicLossScale)
+  if (not isinstance(x, jmp_amp.DynamicLossScale)
       or isinstance(x.loss_scale, jax.ShapeDtypeStruct)):
     return None  # No-op and static scales have no array leaves.
   scale = np.asarray(_nnx.value(x.loss_scale))

@@ -9,7 +9,8 @@ histories are arrays; `check_histories` refuses any that is not finite and
 >= 0 (an amax is an absolute value, and a non-finite one is never recorded),
 whether it sits in an `FP8State` or in an NNX `FP8Meta` variable.
 
-The one place this package imports FP8 names.
+The one place this package looks up FP8 names (`jmp_amp.FP8Recipe`,
+`jmp_amp.FP8State`, `jmp_amp.flax.FP8Op`, `jmp_amp.flax.FP8Meta`).
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jmp_amp._src import fp8 as fp8_lib
+import jmp_amp
 from jmp_amp.checkpoint import _errors
 from jmp_amp.checkpoint import _nnx
 
 
-def _flax_fp8() -> Optional[Any]:
-  """`jmp_amp.flax.fp8` where Flax is in use (no FP8 op exists otherwise)."""
+def _jmp_flax() -> Optional[Any]:
+  """`jmp_amp.flax` (its FP8Op, FP8Meta) where Flax is in use: no FP8 op
+  exists otherwise, and this package must not import Flax."""
   if _nnx.flax_nnx() is None:
     return None
-  from jmp_amp.flax import fp8  # pylint: disable=g-import-not-at-top
-  return fp8
+  from jmp_amp import flax as jmp_flax  # pylint: disable=g-import-not-at-top
+  return jmp_flax
 
 
-def recipe_spec(recipe: fp8_lib.FP8Recipe) -> dict[str, Any]:
+def recipe_spec(recipe: jmp_amp.FP8Recipe) -> dict[str, Any]:
   """`recipe`'s fields as JSON values (dtypes by name)."""
   def jsonable(v):
     return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
@@ -47,13 +49,13 @@ def recipes(tree: Any) -> dict[str, dict[str, Any]]:
   Paths as `jax.tree_util.keystr` names the op's state in `nnx.state`, e.g.
   ``['model']['layers'][1]['dot_general']``.
   """
-  flax_fp8 = _flax_fp8()
-  if flax_fp8 is None:
+  jmp_flax = _jmp_flax()
+  if jmp_flax is None:
     return {}
   out = {}
   for name, obj in _nnx.objects(tree):
     for path, node in _nnx.flax_nnx().iter_graph(obj):
-      if isinstance(node, flax_fp8.FP8Op):
+      if isinstance(node, jmp_flax.FP8Op):
         out[name + "".join(f"[{k!r}]" for k in path)] = recipe_spec(
             node.recipe)
   return out
@@ -61,14 +63,14 @@ def recipes(tree: Any) -> dict[str, dict[str, Any]]:
 
 def _histories(tree: Any) -> list[tuple[str, Any]]:
   """``(path, history)`` of every amax history in `tree`."""
-  flax_fp8 = _flax_fp8()
-  kinds = (fp8_lib.FP8State,) + (
-      (flax_fp8.FP8Meta,) if flax_fp8 is not None else ())
+  jmp_flax = _jmp_flax()
+  kinds = (jmp_amp.FP8State,) + (
+      (jmp_flax.FP8Meta,) if jmp_flax is not None else ())
   out = []
   for path, x in jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: isinstance(x, kinds))[0]:
     name = jax.tree_util.keystr(path) or "<root>"
-    if isinstance(x, fp8_lib.FP8State):
+    if isinstance(x, jmp_amp.FP8State):
       out += [(f"{name}.{field}", getattr(x, field)) for field in x._fields]
     elif isinstance(x, kinds):
       out.append((name, _nnx.value(x)))
@@ -85,10 +87,10 @@ def check_histories(tree: Any) -> None:
   for name, history in _histories(tree):
     if isinstance(history, jax.ShapeDtypeStruct):
       continue
-    h = np.asarray(history)
+    h = np.asarray(history).reshape(-1)
     bad = np.flatnonzero(~(np.isfinite(h) & (h >= 0)))
     if bad.size:
       raise _errors.InvalidFP8StateError(
-          f"FP8 amax history {name} holds {float(h.reshape(-1)[bad[0]])!r} (index "
+          f"FP8 amax history {name} holds {float(h[bad[0]])!r} (index "
           f"{int(bad[0])}); amaxes must be finite and >= 0 (a damaged file, "
           "or a run whose amax overflowed was saved?)", where=name)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmp_amp._src import loss_scale as ls_lib
+import jmp_amp
 from jmp_amp.checkpoint import _compat
 from jmp_amp.checkpoint import _errors
 
@@ -150,7 +150,7 @@ def plain_layout(saved_tree: Any, saveable: Any
     return saveable, None
 
   def jmp_leaves(x):
-    if not isinstance(x, ls_lib.DynamicLossScale):
+    if not isinstance(x, jmp_amp.DynamicLossScale):
       return x
     return tuple(leaf for name, leaf in _compat.named_leaves(x)
                  if not name.endswith(".overflows"))
@@ -159,7 +159,7 @@ def plain_layout(saved_tree: Any, saveable: Any
   if _paths(jmp_like) == saved:
     def rebuild(restored):
       def put(target, value):
-        if not isinstance(target, ls_lib.DynamicLossScale):
+        if not isinstance(target, jmp_amp.DynamicLossScale):
           return value
         values = iter(value)
         leaves = [jnp.zeros(np.shape(leaf), leaf.dtype)
