@@ -34,9 +34,9 @@ import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 import optax
 
-from jmp_amp import bench
-from jmp_amp import gpu_bench
-from jmp_amp._src import gpu_target
+from jmp_amp.tools import gpu_target
+from jmp_amp.tools.bench import cli as bench
+from jmp_amp.tools.bench import gpu as gpu_bench
 
 MODES = ("float32", "bf16", "fp16", "fp16-noscale", "autocast-bf16",
          "autocast-fp16", "fp8", "autocast-fp8")

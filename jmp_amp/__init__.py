@@ -5,9 +5,6 @@ optax transformation, op-level autocast and a matmul-dtype audit. Flax
 integration lives in `jmp_amp.flax`, which this module does not import.
 """
 
-from jmp_amp._src.audit import matmul_report
-from jmp_amp._src.audit import MatmulRecord
-from jmp_amp._src.audit import MatmulReport
 from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
@@ -18,8 +15,6 @@ from jmp_amp._src.fp8 import fp8_dot_general
 from jmp_amp._src.fp8 import fp8_einsum
 from jmp_amp._src.fp8 import FP8Recipe
 from jmp_amp._src.fp8 import FP8State
-from jmp_amp._src.gpu_target import gpu_report
-from jmp_amp._src.gpu_target import GpuReport
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
 from jmp_amp._src.loss_scale import NoOpLossScale
@@ -37,6 +32,11 @@ from jmp_amp._src.scaling import LossScalingState
 from jmp_amp._src.scaling import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
+from jmp_amp.tools import gpu_report
+from jmp_amp.tools import GpuReport
+from jmp_amp.tools import matmul_report
+from jmp_amp.tools import MatmulRecord
+from jmp_amp.tools import MatmulReport
 
 __version__ = "0.1.0"
 

@@ -357,7 +357,7 @@ CLI_CASES = {
     "argv,match",
     [pytest.param(c[0], c[1], marks=c[2:], id=n) for n, c in CLI_CASES.items()])
 def test_cli_rejects(argv, match, capsys, monkeypatch):
-  bench = pytest.importorskip("jmp_amp.bench")
+  bench = pytest.importorskip("jmp_amp.tools.bench.cli")
 
   def must_not_run(*args, **kwargs):
     raise AssertionError(f"bench ran with bad flags {argv}")

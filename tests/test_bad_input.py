@@ -454,7 +454,7 @@ BENCH_CASES = [
 @pytest.mark.parametrize("argv,message", BENCH_CASES,
                          ids=[" ".join(a) for a, _ in BENCH_CASES])
 def test_bad_bench_flags(argv, message, capsys):
-  bench = pytest.importorskip("jmp_amp.bench")
+  bench = pytest.importorskip("jmp_amp.tools.bench.cli")
   with pytest.raises(SystemExit) as exit_info:
     bench.main(["bench", *argv])
   assert exit_info.value.code == 2

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jmp_amp import bench
+from jmp_amp.tools.bench import cli as bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--width", "32", "--layers", "3", "--batch-size", "8", "--batches",
@@ -125,7 +125,7 @@ def test_module_entry_point_fits_columns_80(tmp_path):
   (tmp_path / "models.py").write_text(
       "raise ImportError('the user project models.py was imported')\n")
   result = subprocess.run(
-      [sys.executable, "-m", "jmp_amp.bench", *TINY, "--policy", "bf16",
+      [sys.executable, "-m", "jmp_amp.tools.bench", *TINY, "--policy", "bf16",
        "--policy", "float32", "--repeats", "1"],
       capture_output=True, text=True, check=False, timeout=300,
       cwd=tmp_path, env=_env(COLUMNS="80"))

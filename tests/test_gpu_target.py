@@ -14,7 +14,7 @@ import jax
 import pytest
 
 import jmp_amp
-from jmp_amp._src import gpu_target
+from jmp_amp.tools import gpu_target
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 NAMES = ("bf16_mlp_grad", "fp16_dots", "bf16_conv_grad", "f32_scan")
@@ -140,14 +140,14 @@ def test_donated_train_step_aliases_its_state():
 def test_bench_target_without_the_plugin_says_what_to_install(capsys):
   if HAS_PLUGIN:
     pytest.skip("the CUDA plugin is installed")
-  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
+  from jmp_amp.tools.bench import cli as bench  # pylint: disable=g-import-not-at-top
   assert bench.main(["--target", "h100"]) == 2
   assert 'pip install "jmp-amp[gpu-audit]"' in capsys.readouterr().err
 
 
 def _bench_h100(tmp_path, capsys, *policies):
   """Runs the bench CLI for an H100 on a small MLP: its table, its rows."""
-  from jmp_amp import bench  # pylint: disable=g-import-not-at-top
+  from jmp_amp.tools.bench import cli as bench  # pylint: disable=g-import-not-at-top
   out = tmp_path / "bench.jsonl"
   argv = ["bench", "--target", "h100", "--width", "64", "--batch-size", "16",
           "--json", str(out)]

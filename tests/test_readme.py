@@ -14,7 +14,7 @@ import shlex
 
 import pytest
 
-from jmp_amp import bench
+from jmp_amp.tools.bench import cli as bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 
 import jmp_amp
-from jmp_amp import bench
-from jmp_amp._src import gpu_target
+from jmp_amp.tools import gpu_target
+from jmp_amp.tools.bench import cli as bench
 
 DEFAULT_MODES = ("float32", "bf16", "fp16", "autocast-bf16", "autocast-fp16")
 
@@ -50,7 +50,7 @@ def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any
   """Compiles one mode's step for `target`; a JSON-friendly row.
 
   Args:
-    name: a mode of `jmp_amp.bench.JAX_MODES`.
+    name: a mode of `jmp_amp.tools.bench.cli.JAX_MODES`.
     build: ``mode dict -> (jitted step, state, batch)``.
     target: the GPU target.
   """

@@ -25,9 +25,9 @@ from typing import Any, Optional
 import jax
 from jax.experimental import topologies
 
-from jmp_amp._src import audit
-from jmp_amp._src import hlo_text
-from jmp_amp._src.report import MatmulReport
+from jmp_amp.tools import audit
+from jmp_amp.tools import hlo_text
+from jmp_amp.tools.report import MatmulReport
 
 EXTRA = "gpu-audit"
 # From openxla/xla xla/backends/gpu/target_config/specs/h100_sxm.txtpb

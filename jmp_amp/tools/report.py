@@ -99,13 +99,13 @@ class MatmulReport(Sequence[MatmulRecord]):
   def from_stablehlo(cls, module: Any) -> MatmulReport:
     """Builds a report from a StableHLO module (``Lowered.compiler_ir()``)
     or its text (``Lowered.as_text()``, a saved ``.mlir`` file)."""
-    from jmp_amp._src import audit  # pylint: disable=g-import-not-at-top
+    from jmp_amp.tools import audit  # pylint: disable=g-import-not-at-top
     return audit.report_from_stablehlo(module)
 
   @classmethod
   def from_hlo(cls, text: str) -> MatmulReport:
     """Builds a report from optimized HLO text (``Compiled.as_text()``)."""
-    from jmp_amp._src import audit  # pylint: disable=g-import-not-at-top
+    from jmp_amp.tools import audit  # pylint: disable=g-import-not-at-top
     return audit.report_from_hlo(text)
 
   def __len__(self) -> int:

@@ -32,10 +32,10 @@ import jax
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
-from jmp_amp._src import hlo_text
-from jmp_amp._src.report import MatmulRecord
-from jmp_amp._src.report import MatmulReport
-from jmp_amp._src.report import short_dtype_name
+from jmp_amp.tools import hlo_text
+from jmp_amp.tools.report import MatmulRecord
+from jmp_amp.tools.report import MatmulReport
+from jmp_amp.tools.report import short_dtype_name
 
 STAGES = ("lowered", "compiled")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ modes in one process, and optionally the PyTorch modes on the same device:
 
     jmp-amp bench                              # small CPU-sized default
     jmp-amp bench --recipe seed --compare-torch --json out.jsonl --plot out.png
-    python -m jmp_amp.bench --model resnet --policy bf16 --policy fp16
+    python -m jmp_amp.tools.bench --model resnet --policy bf16 --policy fp16
 
 For every mode it reports the median step time after warm-up (each step
 synchronised with `block_until_ready`; compile time separately) over
@@ -125,7 +125,8 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
   scaling wraps `tx`. The model and optimizer are split once into a graphdef
   and a state pytree, so each step is a plain `jax.jit` call with the state
   donated: no per-step Python graph traversal, which would dominate
-  sub-millisecond GPU steps. `jmp_amp.gpu_bench` compiles the same steps.
+  sub-millisecond GPU steps. `jmp_amp.tools.bench.gpu` compiles the same
+  steps.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
@@ -893,7 +894,7 @@ def _run_in_fresh_process(name: str, cfg: Config,
   request = json.dumps({"mode": name, "config": dataclasses.asdict(cfg),
                         "hlo_dir": hlo_dir})
   proc = subprocess.run(
-      [sys.executable, "-m", "jmp_amp.bench", "--worker", request],
+      [sys.executable, "-m", "jmp_amp.tools.bench", "--worker", request],
       capture_output=True, text=True, check=False)
   for text in reversed(proc.stdout.splitlines()):
     if text.startswith(_WORKER_TAG):
@@ -984,9 +985,9 @@ def run(args: argparse.Namespace, cfg: Config) -> list[dict[str, Any]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """`jmp-amp bench` / `python -m jmp_amp.bench`: returns the exit code."""
+  """`jmp-amp bench` / `python -m jmp_amp.tools.bench`: the exit code."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  # `jmp-amp bench ...` and `python -m jmp_amp.bench ...` both work.
+  # `jmp-amp bench ...` and `python -m jmp_amp.tools.bench ...` both work.
   if argv and argv[0] == "bench":
     argv = argv[1:]
   parser = build_parser()
@@ -996,8 +997,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   cfg = config_from_args(args, parser)
   check_before_running(args, parser)
   if args.target:
-    from jmp_amp import gpu_bench  # pylint: disable=g-import-not-at-top
-    return gpu_bench.run(args, cfg)
+    from jmp_amp.tools.bench import gpu  # pylint: disable=g-import-not-at-top
+    return gpu.run(args, cfg)
   # On a GPU, JAX would otherwise reserve 75% of the memory in this process
   # and again in each fresh per-mode process (and leave none to torch); the
   # peak-memory figures count live buffers either way.
@@ -1049,6 +1050,3 @@ def cli(argv: Optional[Sequence[str]] = None) -> int:
                  f"{', '.join(COMMANDS)})")
   return main(argv)
 
-
-if __name__ == "__main__":
-  sys.exit(main())
