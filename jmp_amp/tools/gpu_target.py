@@ -210,7 +210,7 @@ def report_from_hlo(text: str, memory: Optional[dict[str, Optional[int]]] = None
       by_kind[instr.opcode] += 1
       written = hlo_text.nbytes(instr.type)
     moved += module.operand_bytes(comp, instr) + written
-  return GpuReport(target, audit.report_from_hlo(text), sum(by_kind.values()),
+  return GpuReport(target, MatmulReport.from_hlo(text), sum(by_kind.values()),
                    dict(by_kind.most_common()),
                    memory or dict.fromkeys(_MEMORY_FIELDS), moved)
 
