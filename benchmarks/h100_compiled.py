@@ -24,19 +24,17 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the repository, for jmp_amp/models
-
-import jax  # pylint: disable=g-import-not-at-top
+import jax
 import jax.numpy as jnp
 import optax
 
 from jmp_amp.tools import gpu_target
-from jmp_amp.tools.bench import cli as bench
-from jmp_amp.tools.bench import gpu as gpu_bench
+from jmp_amp.tools.bench import gpu
+from jmp_amp.tools.bench import workloads
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 MODES = ("float32", "bf16", "fp16", "fp16-noscale", "autocast-bf16",
          "autocast-fp16", "fp8", "autocast-fp8")
@@ -45,29 +43,29 @@ GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4,
            max_len=1024, batch_size=16, lr=3e-4, weight_decay=0.1)
 
 
-def bench_config(**sizes) -> bench.Config:
+def bench_config(**sizes) -> workloads.Config:
   base = dict(model="mlp", width=4096, layers=3, batch_size=512, batches=1,
               epochs=1, steps=1, warmup=0, lr=0.1, seed=0, init_scale=2.0**15)
-  return bench.Config(**{**base, **sizes})
+  return workloads.Config(**{**base, **sizes})
 
 
 def gpt_rows(modes, loss_fn=None):
   """The GPT step's rows, with `models.lm_loss` or another ``loss_fn``."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from models import gpt as gpt_lib  # pylint: disable=g-import-not-at-top
+  from jmp_amp.models import gpt as gpt_lib  # pylint: disable=g-import-not-at-top
   c = GPT
   tokens = jax.ShapeDtypeStruct((c["batch_size"], c["max_len"]), jnp.int32)
 
   def build(mode):
     model = gpt_lib.GPT(c["vocab_size"], c["d_model"], c["num_heads"],
                         c["num_layers"], c["max_len"], rngs=nnx.Rngs(0))
-    step, state = gpu_bench.nnx_step(
+    step, state = gpu.nnx_step(
         model, loss_fn or gpt_lib.lm_loss, mode,
         optax.adamw(c["lr"], weight_decay=c["weight_decay"]))
     return step, state, (tokens, tokens)
 
-  rows = [gpu_bench.mode_report(name, build) for name in modes]
-  gpu_bench.add_ratios(rows)
+  rows = [gpu.mode_report(name, build) for name in modes]
+  gpu.add_ratios(rows)
   return rows
 
 
@@ -94,12 +92,12 @@ def compile_all(workloads, modes):
       rows, config = gpt_rows(modes), GPT
     else:
       description, cfg = configs[name]
-      rows = gpu_bench.workload_reports(name, cfg, modes)
+      rows = gpu.workload_reports(name, cfg, modes)
       config = {k: v for k, v in vars(cfg).items()
                 if k in ("width", "layers", "batch_size", "lr")}
     out["workloads"][name] = {"description": description, "config": config,
                               "rows": rows}
-    gpu_bench.print_table(rows, f"{name}: {description} "
+    gpu.print_table(rows, f"{name}: {description} "
                           f"({time.time() - t0:.0f} s to compile)")
     print(flush=True)
   return out
@@ -141,7 +139,7 @@ def plot(results, path):
   plt.close(fig)
 
 
-# gpu_bench.table's columns shown in the Markdown, and their headers there.
+# gpu.table's columns shown in the Markdown, and their headers there.
 _MD_COLUMNS = ("mode", "GEMMs by dtype", "half FLOPs", "FP8 FLOPs", "kernels",
                "temp MiB", "temp ratio", "bytes est MiB", "bytes ratio")
 _MD_HEADERS = ("mode", "GEMMs by dtype", "half GEMM FLOPs", "FP8 GEMM FLOPs",
@@ -163,7 +161,7 @@ def markdown(results) -> str:
         lines.append(f"| {r['mode']} | failed: {r['error'][:60]} |"
                      + " |" * (len(_MD_HEADERS) - 2))
         continue
-      cells = dict(zip(gpu_bench.COLUMNS, gpu_bench.table([r])[0]))
+      cells = dict(zip(gpu.COLUMNS, gpu.table([r])[0]))
       lines.append("| " + " | ".join(cells[c] for c in _MD_COLUMNS) + " |")
     lines.append("")
   return "\n".join(lines)
@@ -173,7 +171,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workload", action="append",
                       choices=("mlp", "resnet", "gpt"))
-  parser.add_argument("--mode", action="append", choices=list(bench.JAX_MODES))
+  parser.add_argument("--mode", action="append", choices=list(workloads.JAX_MODES))
   parser.add_argument("--plot-only", action="store_true")
   parser.add_argument("--out", default=RESULTS)
   args = parser.parse_args(argv)
@@ -182,7 +180,7 @@ def main(argv=None):
     with open(path) as f:
       results = json.load(f)
   else:
-    gpu_bench.use_compile_only_cpu()
+    gpu.use_compile_only_cpu()
     results = compile_all(args.workload or ("mlp", "resnet", "gpt"),
                           args.mode or MODES)
     os.makedirs(args.out, exist_ok=True)

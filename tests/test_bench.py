@@ -1,5 +1,6 @@
 """Tests for the `jmp-amp bench` CLI (tiny sizes)."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -9,7 +10,9 @@ import sys
 
 import pytest
 
-from jmp_amp.tools.bench import cli as bench
+from jmp_amp.tools.bench import cli
+from jmp_amp.tools.bench import table
+from jmp_amp.tools.bench import workloads
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--width", "32", "--layers", "3", "--batch-size", "8", "--batches",
@@ -44,7 +47,7 @@ def tiny_runs(tmp_path_factory):
   path = out / "runs.jsonl"
   plot_path = out / "plot.png"
   hlo_dir = out / "hlo"
-  code = bench.main(["bench", *TINY, "--repeats", "2", "--json", str(path),
+  code = cli.main(["bench", *TINY, "--repeats", "2", "--json", str(path),
                      "--plot", str(plot_path), "--hlo-dir", str(hlo_dir)])
   return code, _read(path), plot_path, hlo_dir
 
@@ -52,11 +55,11 @@ def tiny_runs(tmp_path_factory):
 def test_every_default_mode_runs_with_stable_schema(tiny_runs):
   code, runs, plot_path, hlo_dir = tiny_runs
   assert code == 0
-  assert [r["mode"] for r in runs] == list(bench.DEFAULT_MODES)
+  assert [r["mode"] for r in runs] == list(workloads.DEFAULT_MODES)
   for r in runs:
     assert r["status"] == "ok", r.get("error")
     assert set(r) == RUN_KEYS, set(r) ^ RUN_KEYS
-    assert r["schema"] == bench.SCHEMA
+    assert r["schema"] == cli.SCHEMA
     assert r["versions"]["jax"] and r["device"]
     assert r["median_step_s"] > 0 and r["compile_s"] > 0
     assert len(r["repeat_median_step_s"]) == 2
@@ -64,7 +67,7 @@ def test_every_default_mode_runs_with_stable_schema(tiny_runs):
     assert r["baseline"] == "float32"
     assert r["isolated"] is False  # the CPU reports no device peak
   assert plot_path.stat().st_size > 1000
-  assert len(list(hlo_dir.iterdir())) == len(bench.DEFAULT_MODES)
+  assert len(list(hlo_dir.iterdir())) == len(workloads.DEFAULT_MODES)
 
 
 def test_half_modes_have_all_dots_in_half_and_fp16_stays_finite(tiny_runs):
@@ -84,9 +87,9 @@ def test_half_modes_have_all_dots_in_half_and_fp16_stays_finite(tiny_runs):
 
 
 def _report(runs, width):
-  cfg = bench.Config(**runs[0]["config"])
+  cfg = workloads.Config(**runs[0]["config"])
   env = {k: runs[0][k] for k in ("device", "platform")}
-  return bench.format_report(runs, env, cfg, width=width)
+  return table.format_report(runs, env, cfg, width=width)
 
 
 def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
@@ -96,7 +99,7 @@ def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
   assert max(len(line) for line in lines) <= 80, text
   header = lines[1].split()
   assert header[:2] == ["mode", "step"] and "speed-up" in header, text
-  for mode in bench.DEFAULT_MODES:  # every row, and every row's matmuls
+  for mode in workloads.DEFAULT_MODES:  # every row, and every row's matmuls
     assert any(line.startswith(mode + " ") for line in lines), mode
     assert any(line.startswith(f"  {mode}: ") for line in lines), mode
   flat = " ".join(text.split())
@@ -113,7 +116,7 @@ def test_wide_terminal_shows_every_column(tiny_runs):
   _, runs, _, _ = tiny_runs
   wide = _report(runs, 250)
   assert wide.splitlines()[1].split("  ")[0] == "mode"
-  for column in bench.COLUMNS:
+  for column in table.COLUMNS:
     assert column in wide.splitlines()[1], column
   assert "Not shown at this width" not in wide
   assert "f32 x f32 -> f32" in wide.splitlines()[3]  # in the float32 row
@@ -136,7 +139,7 @@ def test_module_entry_point_fits_columns_80(tmp_path):
 
 
 def test_jmp_amp_without_command_prints_help(capsys):
-  assert bench.cli([]) == 0
+  assert cli.cli([]) == 0
   out = capsys.readouterr().out
   assert out.startswith("usage: jmp-amp")
   assert "bench" in out and "jmp-amp COMMAND --help" in out
@@ -144,7 +147,7 @@ def test_jmp_amp_without_command_prints_help(capsys):
 
 def test_unknown_command_names_itself(capsys):
   with pytest.raises(SystemExit) as info:
-    bench.cli(["frobnicate"])
+    cli.cli(["frobnicate"])
   assert info.value.code == 2
   err = capsys.readouterr().err
   assert "jmp-amp: error: unknown command 'frobnicate'" in err
@@ -153,19 +156,19 @@ def test_unknown_command_names_itself(capsys):
 
 def test_cli_dispatches_to_bench(monkeypatch):
   seen = []
-  monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
-  assert bench.cli(["bench", "--policy", "bf16"]) == 0
+  monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 0)
+  assert cli.cli(["bench", "--policy", "bf16"]) == 0
   assert seen == [["bench", "--policy", "bf16"]]
 
 
 def test_compare_torch_same_weights_and_batches(tmp_path):
   pytest.importorskip("torch")
   path = tmp_path / "t.jsonl"
-  assert bench.main([*TINY, "--policy", "float32", "--policy", "bf16",
+  assert cli.main([*TINY, "--policy", "float32", "--policy", "bf16",
                      "--compare-torch", "--repeats", "1", "--json",
                      str(path)]) == 0
   runs = _read(path)
-  assert [r["mode"] for r in runs] == ["float32", "bf16", *bench.TORCH_MODES]
+  assert [r["mode"] for r in runs] == ["float32", "bf16", *workloads.TORCH_MODES]
   assert all(set(r) == RUN_KEYS for r in runs)
   by_mode = {r["mode"]: r for r in runs}
   # Same initial weights, same batches, same SGD: the float32 runs agree.
@@ -196,7 +199,7 @@ def test_compare_torch_same_weights_and_batches(tmp_path):
 ])
 def test_bad_flags_give_argparse_errors(flags, message, capsys):
   with pytest.raises(SystemExit) as info:
-    bench.main(flags)
+    cli.main(flags)
   assert info.value.code == 2
   assert message in capsys.readouterr().err
 
@@ -206,7 +209,7 @@ def nothing_runs(monkeypatch):
   """Fails the test if the bench starts running any mode."""
   def forbidden(*args, **kwargs):
     raise AssertionError("the bench ran before checking its arguments")
-  monkeypatch.setattr(bench, "run", forbidden)
+  monkeypatch.setattr(cli, "run", forbidden)
 
 
 def test_bad_destinations_fail_before_running_naming_the_path(
@@ -228,16 +231,16 @@ def test_bad_destinations_fail_before_running_naming_the_path(
   ]
   for flags, message in cases:
     with pytest.raises(SystemExit) as info:
-      bench.main([*TINY, *flags])
+      cli.main([*TINY, *flags])
     assert info.value.code == 2
     assert message in capsys.readouterr().err, flags
 
 
 def test_missing_optional_dependencies_fail_before_running(
     tmp_path, nothing_runs, monkeypatch, capsys):
-  real = bench.importlib.util.find_spec
+  real = importlib.util.find_spec
   monkeypatch.setattr(
-      bench.importlib.util, "find_spec",
+      importlib.util, "find_spec",
       lambda name, *a: None if name in ("matplotlib", "torch") else real(name))
   for flags, message in [
       (["--plot", str(tmp_path / "p.png")],
@@ -246,25 +249,25 @@ def test_missing_optional_dependencies_fail_before_running(
       (["--compare-torch"], "--compare-torch needs PyTorch, which is not "
        "installed: pip install 'jmp-amp[torch]'")]:
     with pytest.raises(SystemExit):
-      bench.main([*TINY, *flags])
+      cli.main([*TINY, *flags])
     assert message in capsys.readouterr().err
 
 
 def test_failing_mode_is_reported_in_full_and_others_still_run(
     monkeypatch, tmp_path, capsys):
-  original = bench.BUILDERS["mlp"]
+  original = workloads.BUILDERS["mlp"]
   long_error = ("RESOURCE_EXHAUSTED: out of memory (simulated) while "
                 "allocating " + " ".join(f"buffer{i}" for i in range(40))
                 + " END-OF-ERROR")
 
   def flaky(mode, cfg):
-    if mode is bench.JAX_MODES["bf16"]:
+    if mode is workloads.JAX_MODES["bf16"]:
       raise MemoryError(long_error)
     return original(mode, cfg)
 
-  monkeypatch.setitem(bench.BUILDERS, "mlp", flaky)
+  monkeypatch.setitem(workloads.BUILDERS, "mlp", flaky)
   path = tmp_path / "f.jsonl"
-  code = bench.main([*TINY, "--policy", "float32", "--policy", "bf16",
+  code = cli.main([*TINY, "--policy", "float32", "--policy", "bf16",
                      "--policy", "fp16", "--repeats", "1", "--json",
                      str(path)])
   runs = _read(path)
@@ -280,9 +283,9 @@ def test_failing_mode_is_reported_in_full_and_others_still_run(
 def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   flags = [*TINY, "--policy", "fp16", "--policy", "float32", "--repeats", "1"]
   isolated, in_process, alone = (tmp_path / n for n in ("i", "p", "a"))
-  assert bench.main([*flags, "--isolate", "yes", "--json", str(isolated)]) == 0
-  assert bench.main([*flags, "--isolate", "no", "--json", str(in_process)]) == 0
-  assert bench.main([*TINY, "--policy", "float32", "--repeats", "1",
+  assert cli.main([*flags, "--isolate", "yes", "--json", str(isolated)]) == 0
+  assert cli.main([*flags, "--isolate", "no", "--json", str(in_process)]) == 0
+  assert cli.main([*TINY, "--policy", "float32", "--repeats", "1",
                      "--json", str(alone)]) == 0
   iso, inp, one = _read(isolated), _read(in_process), _read(alone)
   assert [r["isolated"] for r in iso] == [True, True]
@@ -296,8 +299,8 @@ def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
 def test_repeats_train_the_same_steps_each_time(tmp_path):
   one, three = tmp_path / "1", tmp_path / "3"
   flags = [*TINY, "--policy", "fp16"]
-  assert bench.main([*flags, "--repeats", "1", "--json", str(one)]) == 0
-  assert bench.main([*flags, "--repeats", "3", "--json", str(three)]) == 0
+  assert cli.main([*flags, "--repeats", "1", "--json", str(one)]) == 0
+  assert cli.main([*flags, "--repeats", "3", "--json", str(three)]) == 0
   a, b = _read(one)[0], _read(three)[0]
   assert a["final_loss"] == b["final_loss"]
   assert a["loss_scale"] == b["loss_scale"]
@@ -307,7 +310,7 @@ def test_repeats_train_the_same_steps_each_time(tmp_path):
 
 def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   path = tmp_path / "fp8.jsonl"
-  assert bench.main(["bench", *TINY, "--policy", "float32", "--policy",
+  assert cli.main(["bench", *TINY, "--policy", "float32", "--policy",
                      "fp8", "--policy", "autocast-fp8", "--json",
                      str(path)]) == 0
   f32, rules, autocast = _read(path)
@@ -326,3 +329,4 @@ def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   assert "FP8 emulated (E4M3/E5M2-rounded operands): 8 x bf16 x bf16" in text
   assert "FP8 modes (fp8, autocast-fp8) are emulated here" in " ".join(
       text.split())
+

@@ -140,20 +140,20 @@ def test_donated_train_step_aliases_its_state():
 def test_bench_target_without_the_plugin_says_what_to_install(capsys):
   if HAS_PLUGIN:
     pytest.skip("the CUDA plugin is installed")
-  from jmp_amp.tools.bench import cli as bench  # pylint: disable=g-import-not-at-top
-  assert bench.main(["--target", "h100"]) == 2
+  from jmp_amp.tools.bench import cli  # pylint: disable=g-import-not-at-top
+  assert cli.main(["--target", "h100"]) == 2
   assert 'pip install "jmp-amp[gpu-audit]"' in capsys.readouterr().err
 
 
 def _bench_h100(tmp_path, capsys, *policies):
   """Runs the bench CLI for an H100 on a small MLP: its table, its rows."""
-  from jmp_amp.tools.bench import cli as bench  # pylint: disable=g-import-not-at-top
+  from jmp_amp.tools.bench import cli  # pylint: disable=g-import-not-at-top
   out = tmp_path / "bench.jsonl"
   argv = ["bench", "--target", "h100", "--width", "64", "--batch-size", "16",
           "--json", str(out)]
   for policy in policies:
     argv += ["--policy", policy]
-  assert bench.main(argv) == 0
+  assert cli.main(argv) == 0
   return (capsys.readouterr().out,
           [json.loads(line) for line in out.read_text().splitlines()])
 

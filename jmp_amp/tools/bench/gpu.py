@@ -2,20 +2,18 @@
 an H100, on a machine without a GPU.
 
 Each precision mode's train step is built as `jmp-amp bench` builds it, then
-compiled for the target with `jmp_amp.gpu_report`; the table lists per mode
-the GEMMs by dtype, the kernels, the GPU memory XLA assigns and an estimate
-of the bytes the kernels move, with ratios to float32. Compiler figures, not
-timings: nothing runs. `workload_reports` is the library entry for scripts
-(benchmarks/h100_compiled.py).
+compiled for the target with `jmp_amp.tools.gpu_report`; the table lists per
+mode the GEMMs by dtype, the kernels, the GPU memory XLA assigns and an
+estimate of the bytes the kernels move, with ratios to float32. Compiler
+figures, not timings: nothing runs. `workload_reports` is the library entry
+for scripts (benchmarks/h100_compiled.py).
 
-Needs the ``gpu-audit`` extra (the CUDA plugin). This module imports Flax and
-the reference models; `import jmp_amp` does not import it.
+Needs the ``gpu-audit`` extra (the CUDA plugin).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -25,9 +23,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
-import jmp_amp
 from jmp_amp.tools import gpu_target
-from jmp_amp.tools.bench import cli as bench
+from jmp_amp.tools.bench import workloads
 
 DEFAULT_MODES = ("float32", "bf16", "fp16", "autocast-bf16", "autocast-fp16")
 
@@ -42,7 +39,7 @@ def use_compile_only_cpu() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-nnx_step = bench.nnx_step  # the bench's steps, with any optimizer
+nnx_step = workloads.nnx_step  # the bench's steps, with any optimizer
 
 
 def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
@@ -50,18 +47,14 @@ def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any
   """Compiles one mode's step for `target`; a JSON-friendly row.
 
   Args:
-    name: a mode of `jmp_amp.tools.bench.cli.JAX_MODES`.
+    name: a mode of `jmp_amp.tools.bench.workloads.JAX_MODES`.
     build: ``mode dict -> (jitted step, state, batch)``.
     target: the GPU target.
   """
-  mode = bench.JAX_MODES[name]
-  precision = mode.get("precision")
-  ctx = (jax.default_matmul_precision(precision) if precision
-         else contextlib.nullcontext())
   try:
-    with ctx:
-      step, state, batch = build(mode)
-      report = jmp_amp.gpu_report(step, state, batch, target=target)
+    with workloads.precision_context(name):
+      step, state, batch = build(workloads.JAX_MODES[name])
+      report = gpu_target.gpu_report(step, state, batch, target=target)
   except Exception as e:  # pylint: disable=broad-except
     # One failing mode must not lose the others.
     return dict(mode=name, status="failed", error=f"{type(e).__name__}: {e}",
@@ -91,14 +84,14 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
       r[f"{key}_vs_float32"] = r[key] / base[key] if ok else None
 
 
-def workload_reports(model: str, cfg: bench.Config,
+def workload_reports(model: str, cfg: workloads.Config,
                      modes: Sequence[str] = DEFAULT_MODES,
                      target: str = "h100") -> list[dict[str, Any]]:
   """Rows of `mode_report` for one `jmp-amp bench` model, with ratios."""
   cfg = dataclasses.replace(cfg, model=model, batches=1)
 
   def build(mode):
-    work = bench.BUILDERS[model](mode, cfg)
+    work = workloads.BUILDERS[model](mode, cfg)
     return work.step, work.state, work.batches[0]
 
   rows = [mode_report(name, build, target) for name in modes]
@@ -151,7 +144,7 @@ def print_table(rows: list[dict[str, Any]], title: str, file=None) -> None:
                     for i, (c, w) in enumerate(zip(row, widths))), file=file)
 
 
-def run(args: argparse.Namespace, cfg: bench.Config) -> int:
+def run(args: argparse.Namespace, cfg: workloads.Config) -> int:
   """`jmp-amp bench --target ...`: compile each mode, print, write --json."""
   use_compile_only_cpu()
   try:

@@ -1,0 +1,38 @@
+"""`jmp-amp bench --plot`: the runs' step times and memory as bar charts.
+
+matplotlib is imported only here, when a plot is asked for (the ``bench``
+extra).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def plot(runs: list[dict[str, Any]], path: str, title: str) -> None:
+  """Bar charts of each ok run's step time (with its repeats' range) and
+  peak memory, written to `path` in the format its suffix names."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  ok = [r for r in runs if r.get("status") == "ok"]
+  names = [r["mode"] for r in ok]
+  fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(ok)), 4))
+  colors = ["tab:orange" if r["framework"] == "torch" else "tab:blue"
+            for r in ok]
+  ms = [r["median_step_s"] * 1e3 for r in ok]
+  err = [[(r["median_step_s"] - min(r["repeat_median_step_s"])) * 1e3
+          for r in ok],
+         [(max(r["repeat_median_step_s"]) - r["median_step_s"]) * 1e3
+          for r in ok]]
+  axes[0].bar(names, ms, color=colors, yerr=err, capsize=3)
+  axes[0].set_ylabel("median step time (ms), range of repeats")
+  mem = [(r.get("peak_memory_bytes") or 0) / 2**20 for r in ok]
+  axes[1].bar(names, mem, color=colors)
+  axes[1].set_ylabel("peak memory (MiB)")
+  for ax in axes:
+    ax.tick_params(axis="x", rotation=45)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

@@ -1,0 +1,253 @@
+"""The bench's report: ratios, the table, its legend and the verdict.
+
+`add_ratios` sets each run's ratios against its framework's float32 row;
+`format_report` lays the runs out as a table that fits the terminal (the
+columns that do not fit are named under it), with a legend saying what each
+ratio is relative to, a one-line verdict and notes. `fit_columns` and
+`render` are the layout, shared with the ``--target`` table (`gpu`).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import textwrap
+from typing import Any, Callable, Optional, Sequence
+
+from jmp_amp.tools.bench import workloads
+
+
+def _baseline_name(framework: Optional[str]) -> str:
+  return "torch-float32" if framework == "torch" else "float32"
+
+
+def add_ratios(runs: list[dict[str, Any]]) -> None:
+  """Speed-up and memory ratios of each run against its framework's float32.
+
+  JAX rows are relative to the JAX ``float32`` row, torch rows to the
+  ``torch-float32`` row; a ratio is None where that baseline did not run.
+  """
+  base = {r["framework"]: r for r in runs
+          if r.get("status") == "ok" and r["mode"] in ("float32", "torch-float32")}
+  for r in runs:
+    b = base.get(r.get("framework"))
+    ok = r.get("status") == "ok" and b is not None
+    r["baseline"] = _baseline_name(r.get("framework"))
+    r["speedup_vs_float32"] = (b["median_step_s"] / r["median_step_s"]
+                               if ok else None)
+    mem, bmem = r.get("peak_memory_bytes"), b and b.get("peak_memory_bytes")
+    r["memory_ratio_vs_float32"] = (mem / bmem if ok and mem and bmem
+                                    else None)
+    tb = b and (b.get("compiled_memory") or {}).get("temp_bytes")
+    t = (r.get("compiled_memory") or {}).get("temp_bytes")
+    r["compiled_temp_ratio_vs_float32"] = t / tb if ok and t and tb else None
+
+
+def _fmt(value, spec, suffix=""):
+  return "-" if value is None else format(value, spec) + suffix
+
+
+def _matmul_cell(matmuls: Any) -> str:
+  if not isinstance(matmuls, dict):
+    return "-"
+  if "autocast_dtype" in matmuls:
+    used = matmuls["autocast_dtype"]
+    return ("torch float32, no autocast" if used == "float32"
+            else f"torch autocast, really ran {used}")
+  cell = ", ".join(f"{v} x {k}"
+                   for k, v in matmuls.get("by_signature", {}).items())
+  if matmuls.get("fp8") == "emulated":
+    return f"FP8 emulated (E4M3/E5M2-rounded operands): {cell}"
+  if matmuls.get("fp8"):
+    return f"FP8 as quantize-dequantize: {cell}"
+  return cell
+
+
+def _memory_cell(r: dict[str, Any], value: Optional[float], spec: str) -> str:
+  star = "*" if r.get("memory_source") == "compiled" else ""
+  return _fmt(value, spec, star)
+
+
+# (header, cell of an ok run, right-aligned, priority: lower stays longer)
+_COLUMN_SPECS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool, int],
+                     ...] = (
+    ("mode", lambda r: r["mode"], False, 0),
+    ("step ms", lambda r: _fmt(r["median_step_s"] * 1e3, ".2f"), True, 1),
+    ("spread", lambda r: _fmt(None if r.get("step_spread") is None
+                              else r["step_spread"] * 100, ".0f", "%"),
+     True, 7),
+    ("speed-up", lambda r: _fmt(r.get("speedup_vs_float32"), ".2f", "x"),
+     True, 2),
+    ("memory", lambda r: _memory_cell(r, r.get("memory_ratio_vs_float32"),
+                                      ".2f"), True, 4),
+    ("peak MiB", lambda r: _memory_cell(
+        r, r["peak_memory_bytes"] / 2**20 if r.get("peak_memory_bytes")
+        else None, ",.1f"), True, 8),
+    ("final loss", lambda r: _fmt(r["final_loss"], ".4g"), True, 3),
+    ("skipped", lambda r: str(r["skipped_steps"]), True, 5),
+    ("scale", lambda r: _fmt(r.get("loss_scale"), ".0f"), True, 6),
+    ("compile s", lambda r: _fmt(r.get("compile_s"), ".2f"), True, 10),
+    ("samples/s", lambda r: _fmt(r.get("samples_per_s"), ",.0f"), True, 9),
+    ("TFLOP/s", lambda r: _fmt(r.get("tflops"), ".2f"), True, 11),
+    ("matmuls", lambda r: _matmul_cell(r.get("matmuls")), False, 12),
+)
+COLUMNS = tuple(spec[0] for spec in _COLUMN_SPECS)
+
+
+def table_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+  """Every column's cell for every run (failed runs: "FAILED", then "-")."""
+  rows = []
+  for r in runs:
+    if r.get("status") != "ok":
+      rows.append([r["mode"], "FAILED"] + ["-"] * (len(COLUMNS) - 2))
+    else:
+      rows.append([cell(r) for _, cell, _, _ in _COLUMN_SPECS])
+  return rows
+
+
+def terminal_width() -> int:
+  """The terminal's width (``COLUMNS`` wins; 100 when not a terminal)."""
+  return shutil.get_terminal_size((100, 24)).columns
+
+
+def fit_columns(header: Sequence[str], rows: Sequence[Sequence[str]],
+                priorities: Sequence[int], width: int) -> list[int]:
+  """Indices of the columns to show within `width`, in table order.
+
+  Columns are taken by priority (lower first) while they fit, two spaces
+  apart; the most important one always shows.
+  """
+  widths = [max([len(header[i])] + [len(row[i]) for row in rows])
+            for i in range(len(header))]
+  shown, used = [], -2
+  for i in sorted(range(len(header)), key=lambda i: priorities[i]):
+    if used + 2 + widths[i] <= width or not shown:
+      shown.append(i)
+      used += 2 + widths[i]
+  return sorted(shown)
+
+
+def render(header: Sequence[str], rows: Sequence[Sequence[str]],
+           shown: Sequence[int], right: Sequence[bool]) -> list[str]:
+  """The header, a rule under it and the rows, in the `shown` columns."""
+  widths = {i: max([len(header[i])] + [len(row[i]) for row in rows])
+            for i in shown}
+
+  def line(cells: Sequence[str]) -> str:
+    return "  ".join(cells[i].rjust(widths[i]) if right[i]
+                     else cells[i].ljust(widths[i]) for i in shown).rstrip()
+
+  return ([line(header), line(["-" * len(c) for c in header])]
+          + [line(row) for row in rows])
+
+
+def wrap(text: str, width: int, indent: str = "") -> str:
+  """`text` wrapped to `width`; long words (paths, dtype signatures) are
+  never cut, so no text is lost."""
+  return textwrap.fill(text, width=max(width, 20), subsequent_indent=indent,
+                       break_long_words=False, break_on_hyphens=False)
+
+
+def legend(runs: list[dict[str, Any]], cfg: workloads.Config, shown: Sequence[str]
+           ) -> list[str]:
+  """What each column is, and what each ratio is relative to."""
+  torch_rows = any(r.get("framework") == "torch" for r in runs)
+  vs_torch = " (torch rows: torch-float32's)" if torch_rows else ""
+  lines = [
+      f"step ms: median step time after {cfg.warmup} warm-up steps, the "
+      f"median over {cfg.repeats} repeat(s); spread: +/- half the range of "
+      "the repeats' medians, in % of the median.",
+      f"speed-up: the float32 row's step time / this row's{vs_torch}; above "
+      "1x is faster than float32.",
+      f"memory: this row's peak memory / the float32 row's{vs_torch}; * = "
+      "from the compiled program's memory analysis (arguments, outputs and "
+      "temporaries), used where the device reports no peak of its own.",
+      "final loss: the last step's loss; skipped: steps skipped for inf/NaN "
+      "gradients; scale: the final dynamic loss scale (- = no loss scaling).",
+  ]
+  hidden = [c for c in COLUMNS if c not in shown and c != "matmuls"]
+  if hidden:
+    lines.append(f"Not shown at this width: {', '.join(hidden)} (widen the "
+                 "terminal, or see --json).")
+  return lines
+
+
+def verdict(runs: list[dict[str, Any]]) -> str:
+  """One line: the fastest mode, and whether every mode trained."""
+  ok = [r for r in runs if r.get("status") == "ok"]
+  parts = []
+  jax_rows = [r for r in ok if r["framework"] == "jax"
+              and r.get("speedup_vs_float32") is not None]
+  if jax_rows:
+    best = max(jax_rows, key=lambda r: r["speedup_vs_float32"])
+    parts.append(f"fastest JAX mode {best['mode']} at "
+                 f"{best['speedup_vs_float32']:.2f}x float32's speed")
+  bad = [r["mode"] for r in ok if not math.isfinite(r["final_loss"])]
+  parts.append(f"non-finite final loss in {', '.join(bad)}" if bad
+               else "every mode ended with a finite loss")
+  base = next((r for r in ok if r["mode"] == "float32"), None)
+  if base and not bad and math.isfinite(base["final_loss"]):
+    dev = max(abs(r["final_loss"] - base["final_loss"])
+              / max(abs(base["final_loss"]), 1e-12)
+              for r in ok if r["framework"] == "jax")
+    parts.append(f"final losses within {dev:.2%} of float32's")
+  spreads = [r["step_spread"] for r in ok if r.get("step_spread") is not None]
+  if spreads and max(spreads) > 0.2:
+    parts.append(f"timings are noisy (spread up to {max(spreads):.0%}): "
+                 "use more --repeats or an idle machine")
+  failed = [r["mode"] for r in runs if r.get("status") != "ok"]
+  if failed:
+    parts.append(f"{len(failed)} failed ({', '.join(failed)})")
+  return "Verdict: " + "; ".join(parts) + "."
+
+
+CPU_NOTE = ("Note: this ran on a CPU, where XLA has no fast half-precision "
+            "matmul, so half precision is not expected to be faster here; "
+            "the speed-ups are for GPUs. The matmul dtypes and the memory "
+            "column still show what each mode compiles to.")
+FP8_NOTE = ("FP8 modes ({modes}) are emulated here: operands are rounded to "
+            "FP8 (E4M3 forward, E5M2 gradients) and multiplied in bfloat16, "
+            "so the numerics are FP8's but the speed is not; `--target h100` "
+            "shows the FP8 GEMMs XLA emits for a Hopper GPU.")
+
+
+def format_report(runs: list[dict[str, Any]], env: dict[str, Any],
+                  cfg: workloads.Config, width: Optional[int] = None) -> str:
+  """The table, its legend, the verdict, notes and full errors as text."""
+  width = width or terminal_width()
+  sizes = (f"width={cfg.width} layers={cfg.layers} " if cfg.model == "mlp"
+           else "")
+  title = (f"{cfg.model} {sizes}batch={cfg.batch_size} steps={cfg.steps} "
+           f"repeats={cfg.repeats} on {env['device']}")
+  rows = table_rows(runs)
+  shown = fit_columns(COLUMNS, rows, [s[3] for s in _COLUMN_SPECS], width)
+  out = [wrap(title, width)]
+  out += render(COLUMNS, rows, shown, [s[2] for s in _COLUMN_SPECS])
+  out.append("")
+  out += [wrap(text, width, "  ")
+          for text in legend(runs, cfg, [COLUMNS[i] for i in shown])]
+  if COLUMNS.index("matmuls") not in shown:
+    out.append("matmuls (count x operand dtypes -> result dtype):")
+    out += [wrap(f"  {r['mode']}: {_matmul_cell(r.get('matmuls'))}", width,
+                 "    ") for r in runs if r.get("status") == "ok"]
+  out.append(wrap(verdict(runs), width, "  "))
+  if env.get("platform") == "cpu":
+    out.append(wrap(CPU_NOTE, width, "  "))
+    fp8_rows = [r["mode"] for r in runs if r.get("status") == "ok"
+                and isinstance(r.get("matmuls"), dict)
+                and r["matmuls"].get("fp8")]
+    if fp8_rows:
+      out.append(wrap(FP8_NOTE.format(modes=", ".join(fp8_rows)), width,
+                      "  "))
+  for r in runs:
+    if r.get("status") != "ok":
+      out.append(wrap(f"FAILED {r['mode']}: {r.get('error', '')}", width,
+                      "  "))
+  return "\n".join(out)
+
+
+def print_table(runs: list[dict[str, Any]], env: dict[str, Any],
+                cfg: workloads.Config, file=None,
+                width: Optional[int] = None) -> None:
+  print(format_report(runs, env, cfg, width), file=file or sys.stdout)
