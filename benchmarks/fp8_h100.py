@@ -1,9 +1,10 @@
 """FP8 train steps compiled for an H100 without a GPU: which GEMMs run in FP8.
 
 Compiles the train steps of the reference MLP (PyTorch AMP recipe sizes) and
-GPT for an H100 with XLA:GPU's deviceless AOT compiler
-(``../shared/tools/aot_h100.py``), three ways, and lists the cuBLAS GEMMs of
-the optimized program with their operand dtypes:
+GPT for an H100 without a GPU (`jmp_amp.tools.gpu_report`: the CUDA plugin's
+compile-only target, GEMMs as cuBLAS calls), three ways, and lists the GEMMs
+of the optimized program with their operand dtypes (spelled as XLA does:
+``f8e4m3fn``):
 
 * ``mlp``, ``gpt``: `jmp_amp.flax.set_fp8` on the bf16 model (the first and
   last matmul layers, in call order, excluded);
@@ -19,10 +20,10 @@ autocast every GEMM should have FP8 operands.
 
 These are compiler facts (what XLA emits for an H100), not timings.
 
-Run (a venv with the jax CUDA plugin, see ../shared/tools/README.md)::
+Run in a venv with the ``gpu-audit`` extra (``pip install -e ".[gpu-audit]"``)::
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. .venv-aot/bin/python \\
-        benchmarks/fp8_h100.py [--out benchmarks/results/fp8_h100.json]
+    JAX_PLATFORMS=cpu python benchmarks/fp8_h100.py \\
+        [--out benchmarks/results/fp8_h100.json]
 """
 
 from __future__ import annotations
@@ -30,30 +31,42 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+import jmp_amp
+import jmp_amp.flax
+from jmp_amp import models
+from jmp_amp.flax import fp8 as flax_fp8
+import jmp_amp.tools
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-TOOLS = pathlib.Path(os.environ.get("AOT_H100_TOOLS",
-                                    ROOT.parent / "shared" / "tools"))
-sys.path.insert(0, str(TOOLS))
-
-from flax import nnx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import aot_h100  # noqa: E402
-import jmp_amp  # noqa: E402
-import jmp_amp.flax  # noqa: E402
-from jmp_amp.flax import fp8 as flax_fp8  # noqa: E402
-import models  # noqa: E402
-
 F8 = ("f8e4m3fn", "f8e5m2")
+
+
+def _hlo_dtype(name: str) -> str:
+  """XLA's spelling of a record's dtype: "float8_e4m3fn" -> "f8e4m3fn"."""
+  return "f8" + name[len("float8_"):] if name.startswith("float8_") else name
+
+
+def _gemm(record) -> dict:
+  out = list(record.result_shape)
+  return dict(lhs=_hlo_dtype(record.lhs_dtype),
+              rhs=_hlo_dtype(record.rhs_dtype),
+              out=_hlo_dtype(record.result_dtype), out_shape=out,
+              k=(None if record.flops is None
+                 else record.flops // (2 * math.prod(out))),
+              target=record.target)
 
 
 def _train_step(loss_fn):
@@ -138,19 +151,10 @@ def run_case(name: str) -> dict:
     # make_train_step needs loss_scaling; FP8 needs no loss scale.
     tx = jmp_amp.loss_scaling(tx, jmp_amp.NoOpLossScale())
   graphdef, state = _abstract(build, tx)
-  mesh = aot_h100.h100_mesh(1)
-  repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  state, batch = jax.tree_util.tree_map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=repl),
-      (state, batch))
   make_step = _autocast_train_step if how == "autocast" else _train_step
-  jitted = jax.jit(make_step(loss), static_argnums=0, donate_argnums=1)
-  compiled = jitted.lower(graphdef, state, batch).compile(
-      compiler_options=dict(aot_h100.GEMM_MODES["cublas"]))
-  info = aot_h100.analyze_hlo(compiled.as_text())
-  gemms = [dict(lhs=g["lhs"], rhs=g["rhs"], out=g["out"],
-                out_shape=list(g["out_shape"]), k=g["k"], target=g["where"])
-           for g in info["gemms"]]
+  report = jmp_amp.tools.gpu_report(make_step(loss), graphdef, state, batch,
+                                    static_argnums=0, donate_argnums=1)
+  gemms = [_gemm(r) for r in report.matmuls]
   sig = collections.Counter(f"{g['lhs']} x {g['rhs']} -> {g['out']}"
                             for g in gemms)
   n = len(fp8_layers)
@@ -164,12 +168,8 @@ def run_case(name: str) -> dict:
                              for g in gemms)
   else:
     ok = fwd == dgrad == wgrad == n
-  try:
-    audit = jmp_amp.matmul_report(compiled).summary()
-    audit = {k: v for k, v in audit.items() if k == "by_signature"}
-  except Exception as e:  # the audit's view is a bonus, not the evidence
-    audit = {"error": f"{type(e).__name__}: {e}"}
-  mem = compiled.memory_analysis()
+  # The matmul audit's own spelling of the same GEMMs.
+  audit = {"by_signature": report.matmuls.counts_by_signature()}
   return dict(
       applied_with={"set_fp8": "jmp_amp.flax.set_fp8",
                     "rules": "jmp_amp.flax.set_policies(fp8_rules())",
@@ -185,7 +185,7 @@ def run_case(name: str) -> dict:
       fp8_gemm_targets=sorted({g["target"] for g in gemms
                                if g["lhs"] in F8}),
       matmul_report=audit,
-      temp_bytes=int(mem.temp_size_in_bytes),
+      temp_bytes=report.memory["temp_bytes"],
       gemms=gemms)
 
 
@@ -201,7 +201,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   results = {"what": "cuBLAS GEMMs in the optimized XLA:GPU program of FP8 "
                      "train steps, compiled for an H100 SXM without a GPU "
-                     "(deviceless AOT, xla_gpu_enable_triton_gemm=False); "
+                     "(jmp_amp.tools.gpu_report, "
+                     "xla_gpu_enable_triton_gemm=False); "
                      "compiler facts, not timings",
              "jax": jax.__version__}
   for name in args.cases:

@@ -11,8 +11,10 @@ returned in the logits' dtype), and prints GPU temp memory and its ratio to
 float32. Compiler figures (`memory_analysis()` of the optimized XLA:GPU
 program), not timings: nothing runs on a GPU.
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. .venv-aot/bin/python \\
-        benchmarks/gpt_memory_h100.py [--out benchmarks/results/gpt_memory_h100.json]
+Run in a venv with the ``gpu-audit`` extra (``pip install -e ".[gpu-audit]"``)::
+
+    JAX_PLATFORMS=cpu python benchmarks/gpt_memory_h100.py \\
+        [--out benchmarks/results/gpt_memory_h100.json]
 """
 
 from __future__ import annotations
@@ -21,19 +23,17 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the repository, for jmp_amp/models
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import optax
 
-import h100_compiled  # noqa: E402  (this directory: the same GPT step)
-from models import gpt as gpt_lib  # noqa: E402
+import h100_compiled  # this script's directory: the same GPT step
+from jmp_amp.models import gpt as gpt_lib
 
 GPT = h100_compiled.GPT
 MODES = ("float32", "bf16", "autocast-bf16")

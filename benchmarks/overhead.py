@@ -33,14 +33,13 @@ Two targets:
   quartiles over rounds), plus XLA:CPU's compiled temp memory and its
   estimate of bytes accessed.
 * ``--target h100``: no timing. Compiles each step for an H100 on this
-  CPU-only machine (``aot_h100.py`` from the project's shared tools, run in a
-  venv with the jax CUDA plugin) and reports kernels, temp memory and bytes
-  accessed: compiler facts, not timings.
+  CPU-only machine (`jmp_amp.tools.gpu_report`'s compile-only target, the
+  ``gpu-audit`` extra) and reports kernels, GEMMs, temp memory and an
+  estimate of the bytes the kernels move: compiler facts, not timings.
 
 Usage:
   python benchmarks/overhead.py --json benchmarks/results/overhead_cpu.json
-  JAX_PLATFORMS=cpu PYTHONPATH=. /path/to/.venv-aot/bin/python \\
-      benchmarks/overhead.py --target h100 \\
+  JAX_PLATFORMS=cpu python benchmarks/overhead.py --target h100 \\
       --json benchmarks/results/overhead_h100.json
 """
 
@@ -54,7 +53,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -64,7 +63,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jmp_amp
 
 INIT_SCALE = 2.0**15
@@ -438,20 +436,8 @@ def run_cpu(workload, rounds, steps, skip=()):
 # H100, compiled on this CPU-only machine (no GPU, no timing).
 
 
-def _find_aot_tool(path: Optional[str]) -> str:
-  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  candidates = [path] if path else [
-      os.path.join(here, "..", "shared", "tools"),
-      os.path.join(here, "..", "..", "shared", "tools")]
-  for c in candidates:
-    if c and os.path.isfile(os.path.join(c, "aot_h100.py")):
-      return os.path.abspath(c)
-  raise SystemExit("aot_h100.py not found; pass --aot-tool DIR")
-
-
-def run_h100(workload, aot_dir, skip=(), dump=None):
-  sys.path.insert(0, aot_dir)
-  import aot_h100  # pylint: disable=import-outside-toplevel
+def run_h100(workload, skip=(), dump=None):
+  from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
   widths, batch_size, opt_name, lr = WORKLOADS[workload]
   spec = lambda t: jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
@@ -472,28 +458,28 @@ def run_h100(workload, aot_dir, skip=(), dump=None):
         new, skipped = variant.step(
             jax.tree_util.tree_unflatten(treedef, leaves), batch)
         return jax.tree_util.tree_leaves(new), skipped
-      r = aot_h100.compile_for_h100(flat_step, spec(leaves), batch,
-                                    donate_argnums=(0,))
+      compiled = gpu_target.compile_for_gpu(flat_step, spec(leaves), batch,
+                                            donate_argnums=(0,))
       if dump:
         with open(os.path.join(dump, f"{workload}_{name.replace(' ', '_')}"
                                ".hlo.txt"), "w") as f:
-          f.write(r["hlo"])
+          f.write(compiled.as_text())
+      report = gpu_target.report_from_compiled(compiled)
     except Exception as e:  # pylint: disable=broad-except
       errors[name] = f"{type(e).__name__}: {e}"[:300]
       continue
     results[name] = {
-        "kernels": int(sum(r["kernels"].values())),
-        "kernels_by_op": dict(r["kernels"]),
-        "fusions": int(sum(r["fusions"].values())),
-        "gemms": len(r["gemms"]),
-        "temp_bytes": int(r["memory"]["temp_size_in_bytes"]),
-        "bytes_accessed": float(r["cost"]["bytes accessed"]),
+        "kernels": report.kernels,
+        "kernels_by_kind": dict(report.kernels_by_kind),
+        "gemms": len(report.matmuls),
+        "temp_bytes": report.memory["temp_bytes"],
+        "bytes_estimate": report.bytes_estimate,
     }
   base = results.get("optax")
   if base:
     for row in results.values():
       row["kernels_added"] = row["kernels"] - base["kernels"]
-      row["bytes_ratio"] = row["bytes_accessed"] / base["bytes_accessed"]
+      row["bytes_ratio"] = row["bytes_estimate"] / max(1, base["bytes_estimate"])
       row["temp_ratio"] = row["temp_bytes"] / max(1, base["temp_bytes"])
   return {"workload": workload, "widths": list(widths), "batch": batch_size,
           "optimizer": opt_name, "results": results, "errors": errors}
@@ -539,7 +525,7 @@ def print_rows(report):
           f"batch {wl['batch']}, {wl['optimizer']})")
     for name, row in wl["results"].items():
       cells = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-               for k, v in row.items() if k != "kernels_by_op"]
+               for k, v in row.items() if k != "kernels_by_kind"]
       print(f"  {name:28} " + " ".join(cells))
     for name, err in wl["errors"].items():
       print(f"  {name:28} ERROR {err}")
@@ -554,8 +540,6 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--skip", default="", help="comma-separated variant names")
-  ap.add_argument("--aot-tool", default=None,
-                  help="directory holding aot_h100.py")
   ap.add_argument("--json", default=None)
   ap.add_argument("--dump", default=None,
                   help="h100: directory for the optimized HLO of each step")
@@ -574,13 +558,14 @@ def main(argv=None):
       report["workloads"].append(run_cpu(w, a.rounds, a.steps, skip))
       print_rows({"workloads": report["workloads"][-1:]})
   else:
-    aot_dir = _find_aot_tool(a.aot_tool)
-    report["method"] = ("deviceless AOT compile for H100 (aot_h100.py, cuBLAS "
-                        "GEMMs, donated state); kernels = non-trivial ops of "
-                        "the optimized HLO's control computations; bytes = "
-                        "XLA's estimate. Compiler figures, not timings.")
+    report["method"] = (
+        "compiled for an H100 without a GPU (jmp_amp.tools.gpu_target: cuBLAS "
+        "GEMMs, donated state); kernels = launches of the optimized HLO "
+        "(fusions, library calls, unfused ops; a loop body once); "
+        "bytes_estimate = every kernel reads its operands and writes its "
+        "result once. Compiler figures, not timings.")
     for w in workloads:
-      report["workloads"].append(run_h100(w, aot_dir, skip, a.dump))
+      report["workloads"].append(run_h100(w, skip, a.dump))
       print_rows({"workloads": report["workloads"][-1:]})
   if a.json:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

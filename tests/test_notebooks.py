@@ -1,6 +1,6 @@
 """Executes every notebook in notebooks/ top to bottom; each ends with a cell of asserts.
 
-The notebooks are stored executed (benchmarks/execute_notebooks.py writes them); this test runs
+The notebooks are stored executed (tests/execute_notebooks.py writes them); this test runs
 them again in memory with the same code, in a kernel of the interpreter running the tests with
 this checkout first on the path, and never writes them back.
 """
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-import execute_notebooks  # benchmarks/ is on the tests' path (pyproject.toml)
+import execute_notebooks  # tests/execute_notebooks.py, which stores them executed
 
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
@@ -43,7 +43,7 @@ def test_notebook_is_stored_executed_and_small(path):
   code = [cell for cell in nb.cells if cell.cell_type == "code"]
   assert all(cell.get("execution_count") for cell in code), (
       f"{path.name} has cells stored without running them; run "
-      "benchmarks/execute_notebooks.py")
+      "tests/execute_notebooks.py")
   assert not _outputs(nb, "error"), path.name
   assert any("image/png" in out.get("data", {})
              for out in _outputs(nb, "display_data")), (

@@ -331,6 +331,13 @@ def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "cublas",
   compiled = compile_for_gpu(
       fn, *args, target=target, gemm=gemm, static_argnums=static_argnums,
       static_argnames=static_argnames, donate_argnums=donate_argnums, **kwargs)
+  return report_from_compiled(compiled, target)
+
+
+def report_from_compiled(compiled: jax.stages.Compiled,
+                         target: str = "h100") -> GpuReport:
+  """The `GpuReport` of a program `compile_for_gpu` compiled for `target`
+  (for a caller that also wants the compiled program, e.g. its HLO text)."""
   analysis = compiled.memory_analysis()
   memory = dict.fromkeys(_MEMORY_FIELDS)
   if analysis is not None:

@@ -4,8 +4,8 @@ The repository keeps its notebooks executed, so that a reader sees the plots
 and numbers without running them. After changing a notebook or an API it
 uses, run from the repository root:
 
-  .venv/bin/python benchmarks/execute_notebooks.py              # all of them
-  .venv/bin/python benchmarks/execute_notebooks.py notebooks/02_loss_scaling.ipynb
+  .venv/bin/python tests/execute_notebooks.py              # all of them
+  .venv/bin/python tests/execute_notebooks.py notebooks/02_loss_scaling.ipynb
 
 Each notebook runs top to bottom in a kernel of this interpreter, with this
 checkout first on the path, on whatever backend JAX finds (run it on a CPU:
