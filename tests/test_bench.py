@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
+from jmp_amp.tools import gpu_target
 from jmp_amp.tools.bench import cli
+from jmp_amp.tools.bench import gpu
 from jmp_amp.tools.bench import table
 from jmp_amp.tools.bench import workloads
 
@@ -330,3 +332,143 @@ def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   assert "FP8 modes (fp8, autocast-fp8) are emulated here" in " ".join(
       text.split())
 
+
+# --------------------------------------------------------------------------
+# A newcomer's first runs (issue 23).
+
+
+def test_plot_path_matplotlib_cannot_write_fails_before_running(
+    tmp_path, nothing_runs, capsys):
+  pytest.importorskip("matplotlib")
+  for name, problem in (("x.txt", "matplotlib cannot write '.txt' files"),
+                        ("plot", "the path has no suffix")):
+    with pytest.raises(SystemExit) as info:
+      cli.main([*TINY, "--plot", str(tmp_path / name)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--plot {tmp_path / name}: {problem}; give a path ending in one " \
+        "of .png, " in err, err
+    assert ".pdf" in err and ".svg" in err
+
+
+def test_reader_closing_the_pipe_ends_quietly(tmp_path):
+  # `jmp-amp bench | head -1`: here the reader is gone before the report is
+  # printed, so the report's write always meets a closed pipe.
+  read, write = os.pipe()
+  os.close(read)
+  try:
+    result = subprocess.run(
+        [sys.executable, "-m", "jmp_amp.tools.bench", *TINY, "--policy",
+         "float32", "--repeats", "1"], stdout=write, stderr=subprocess.PIPE,
+        text=True, check=False, timeout=300, cwd=tmp_path, env=_env())
+  finally:
+    os.close(write)
+  assert result.returncode == cli.BROKEN_PIPE_EXIT, result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
+  assert "BrokenPipeError" not in result.stderr, result.stderr
+
+
+def test_every_step_skipped_is_what_the_verdict_says(tmp_path, capsys):
+  # From float32's largest scale, every fp16 step overflows and is skipped.
+  path = tmp_path / "skipped.jsonl"
+  assert cli.main([*TINY, "--policy", "float32", "--policy", "fp16",
+                   "--init-scale", "3e38", "--repeats", "1", "--json",
+                   str(path)]) == 0
+  _, fp16 = _read(path)
+  assert fp16["skipped_steps"] == fp16["config"]["steps"] == 4
+  verdict = " ".join(capsys.readouterr().out.split("Verdict: ")[1]
+                     .split("Note:")[0].split())
+  assert "every mode ended with a finite loss" not in verdict, verdict
+  assert ("fp16 skipped every step (non-finite gradients), so its weights "
+          "never changed") in verdict, verdict
+
+
+def test_verdict_claims_nothing_when_no_mode_ran():
+  failed = dict(mode="float32", framework="jax", status="failed",
+                error="MemoryError: simulated")
+  assert table.verdict([failed]) == "Verdict: 1 failed (float32)."
+
+
+def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
+  # Pipes for stdout and stderr, as in CI or `| tee`: one line per mode as it
+  # starts and ends, on stderr, while the bench runs.
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jmp_amp.tools.bench", "--model", "gpt",
+       "--policy", "float32", "--policy", "bf16", "--batch-size", "2",
+       "--batches", "1", "--epochs", "2", "--warmup", "1", "--repeats", "1"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+      env=_env())
+  try:
+    first = proc.stderr.readline()
+    running = proc.poll() is None
+    out, rest = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, rest
+  assert first == "jmp-amp bench: compiling float32 (1/2)\n", first + rest
+  assert running, "the first progress line came only at the end"
+  lines = [line for line in rest.splitlines()
+           if line.startswith("jmp-amp bench: ")]
+  for text in ("float32: compiled in ", "compiling bf16 (2/2)",
+               "bf16: compiled in ", "timing repeat 1/1 of 2 mode(s)",
+               "float32: median step ", "bf16: median step "):
+    assert any(line.startswith("jmp-amp bench: " + text) for line in lines), (
+        text, lines)
+  assert "jmp-amp bench:" not in out  # stdout holds only the report
+  assert "Verdict: " in out
+
+
+def _h100_rows():
+  """Rows of the --target table from real XLA:GPU output (tests/fixtures),
+  plus an FP8 row, a partly-float32 row and a failed one."""
+  fixtures = ROOT / "tests" / "fixtures"
+  recorded = json.loads((fixtures / "h100_fixtures.json").read_text())
+  rows = []
+  for mode, name in (("float32", "f32_scan"), ("bf16", "bf16_mlp_grad"),
+                     ("fp16", "fp16_dots")):
+    memory = {k: recorded[name][k] for k in ("temp_bytes", "argument_bytes",
+                                             "output_bytes", "alias_bytes")}
+    report = gpu_target.report_from_hlo(
+        (fixtures / f"h100_{name}.hlo.txt").read_text(), memory)
+    rows.append(gpu.row_from_report(mode, report))
+  rows.append(dict(rows[1], mode="fp8", half_gemm_flops=5 / 8,
+                   fp8_gemm_flops=3 / 8, gemms_by_dtype={
+                       "bf16 x bf16 -> bf16": 5,
+                       "float8_e4m3fn x float8_e4m3fn -> bf16": 1,
+                       "float8_e5m2 x float8_e4m3fn -> bf16": 1,
+                       "float8_e4m3fn x float8_e5m2 -> bf16": 1}))
+  rows.append(dict(rows[1], mode="autocast-bf16", half_gemm_flops=0.5))
+  rows.append(dict(mode="autocast-fp16", status="failed",
+                   error="RuntimeError: simulated"))
+  gpu.add_ratios(rows)
+  return rows
+
+
+def test_target_table_fits_the_width_with_legend_and_verdict():
+  rows = _h100_rows()
+  narrow = gpu.format_report(rows, "mlp, train step compiled for h100", 80)
+  lines = narrow.splitlines()
+  assert max(len(line) for line in lines) <= 80, narrow
+  assert lines[2].split()[0] == "mode" and "temp ratio" in lines[2], narrow
+  for r in rows:
+    assert any(line.startswith(r["mode"] + " ") for line in lines), r["mode"]
+  failed_row = next(line for line in lines if line.startswith("autocast-fp16"))
+  assert failed_row.split()[1] == "FAILED", narrow
+  flat = " ".join(narrow.split())
+  assert gpu.LEGEND in flat
+  assert "GEMMs by dtype (count x operand dtypes -> result dtype):" in narrow
+  assert ("fp8: 5 x bf16 x bf16 -> bf16, 1 x float8_e4m3fn x float8_e4m3fn "
+          "-> bf16") in flat
+  verdicts = [line for line in lines if line.startswith("Verdict: ")]
+  assert len(verdicts) == 1, narrow
+  verdict = " ".join(narrow.split("Verdict: ")[1].split("FAILED")[0].split())
+  assert "moves the fewest bytes" in verdict, verdict
+  assert ("every GEMM in half precision or FP8 in bf16, fp16, fp8"
+          in verdict), verdict
+  assert ("float32 GEMMs left in autocast-bf16 (50% of GEMM FLOPs half or "
+          "FP8)") in verdict, verdict
+  assert "1 failed (autocast-fp16)" in verdict, verdict
+  assert "FAILED autocast-fp16: RuntimeError: simulated" in narrow
+  wide = gpu.format_report(rows, "title", 400)
+  assert "GEMMs by dtype" in wide.splitlines()[2]
+  assert "Not shown at this width" not in wide

@@ -146,7 +146,8 @@ def test_bench_target_without_the_plugin_says_what_to_install(capsys):
 
 
 def _bench_h100(tmp_path, capsys, *policies):
-  """Runs the bench CLI for an H100 on a small MLP: its table, its rows."""
+  """Runs the bench CLI for an H100 on a small MLP: its table (whitespace
+  collapsed, as it wraps to the terminal), its rows."""
   from jmp_amp.tools.bench import cli  # pylint: disable=g-import-not-at-top
   out = tmp_path / "bench.jsonl"
   argv = ["bench", "--target", "h100", "--width", "64", "--batch-size", "16",
@@ -154,7 +155,7 @@ def _bench_h100(tmp_path, capsys, *policies):
   for policy in policies:
     argv += ["--policy", policy]
   assert cli.main(argv) == 0
-  return (capsys.readouterr().out,
+  return (" ".join(capsys.readouterr().out.split()),
           [json.loads(line) for line in out.read_text().splitlines()])
 
 

@@ -4,14 +4,13 @@
 ``python -m jmp_amp.tools.bench``). Flags are parsed and every destination
 and optional dependency checked before anything runs; `run` then compiles the
 modes and times them in interleaved repeats (or each in a fresh process, for
-its own peak memory), and `main` prints the report and writes the JSON lines
-and the plot.
+its own peak memory), saying how far it is on stderr, and `main` prints the
+report and writes the JSON lines and the plot.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -19,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -161,13 +161,17 @@ def check_before_running(args: argparse.Namespace,
     if importlib.util.find_spec("matplotlib") is None:
       parser.error("--plot needs matplotlib, which is not installed: "
                    "pip install 'jmp-amp[bench]'")
+    problem = plot.suffix_error(args.plot)
+    if problem:
+      parser.error(f"--plot {args.plot}: {problem}")
   if args.hlo_dir:
     _check_dir_destination(parser, "--hlo-dir", args.hlo_dir)
   if args.compare_torch and importlib.util.find_spec("torch") is None:
     parser.error("--compare-torch needs PyTorch, which is not installed: "
                  "pip install 'jmp-amp[torch]' (on a CPU-only machine, "
                  "install PyTorch's CPU build first, or pip fetches a "
-                 "multi-GB CUDA build)")
+                 "multi-GB CUDA build: pip install torch --index-url "
+                 "https://download.pytorch.org/whl/cpu)")
 
 
 def config_from_args(args: argparse.Namespace,
@@ -190,11 +194,52 @@ def config_from_args(args: argparse.Namespace,
                           **values)
 
 
-def _progress_bar(enabled: bool):
-  if not enabled or importlib.util.find_spec("rich") is None:
-    return contextlib.nullcontext(None)
-  from rich.progress import Progress  # pylint: disable=g-import-not-at-top
-  return Progress(transient=True)
+class Progress:
+  """How far the bench is, on stderr, so that stdout holds only the report.
+
+  On a terminal: a rich progress bar that clears itself. Elsewhere (a log, a
+  pipe, CI): one line per mode as it starts and ends, flushed at once. With
+  ``enabled=False`` (``--no-progress``): nothing.
+  """
+
+  def __init__(self, enabled: bool, total: int):
+    self._bar = self._task = None
+    self._lines = False
+    if not enabled:
+      return
+    if sys.stderr.isatty() and importlib.util.find_spec("rich") is not None:
+      # pylint: disable=g-import-not-at-top
+      from rich.console import Console
+      from rich.progress import Progress as RichProgress
+      self._bar = RichProgress(console=Console(stderr=True), transient=True)
+      self._task = self._bar.add_task("bench", total=total)
+    else:
+      self._lines = True
+
+  def __enter__(self) -> Progress:
+    if self._bar:
+      self._bar.start()
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    if self._bar:
+      self._bar.stop()
+
+  def tick(self) -> None:
+    """One training step done."""
+    if self._bar:
+      self._bar.advance(self._task)
+
+  def status(self, text: str) -> None:
+    """What runs now, on the bar only (too frequent for a log)."""
+    if self._bar:
+      self._bar.update(self._task, description=text)
+
+  def say(self, text: str) -> None:
+    """A mode started or ended: the bar's description, or a line."""
+    self.status(text)
+    if self._lines:
+      print(f"jmp-amp bench: {text}", file=sys.stderr, flush=True)
 
 
 _WORKER_TAG = "jmp_amp.bench worker result: "
@@ -235,6 +280,12 @@ def _worker(request: str) -> int:
   return 0
 
 
+def _outcome(result: dict[str, Any]) -> str:
+  if result.get("status") != "ok":
+    return f"FAILED ({result.get('error', '')[:60]})"
+  return f"median step {result['median_step_s'] * 1e3:.2f} ms"
+
+
 def run(args: argparse.Namespace, cfg: workloads.Config
         ) -> list[dict[str, Any]]:
   """Runs every requested mode; a failing mode is recorded, not raised."""
@@ -245,42 +296,40 @@ def run(args: argparse.Namespace, cfg: workloads.Config
       args.isolate == "auto" and timing.device_peak_bytes() is not None)
   if args.hlo_dir:
     os.makedirs(args.hlo_dir, exist_ok=True)
-  show = sys.stdout.isatty() and not args.no_progress
   per_mode = cfg.steps * cfg.repeats
+  count = len(modes) + len(torch_modes)
   results: dict[str, dict[str, Any]] = {}
-  with _progress_bar(show) as bar:
-    task = (bar.add_task("bench", total=per_mode * (len(modes)
-                                                    + len(torch_modes)))
-            if bar else None)
-    tick = (lambda: bar.advance(task)) if bar else (lambda: None)
-
-    def describe(text):
-      if bar:
-        bar.update(task, description=text)
-
+  with Progress(not args.no_progress, per_mode * count) as progress:
     if isolate:
-      for name in modes:
-        describe(name)
+      for k, name in enumerate(modes, 1):
+        progress.say(f"running {name} ({k}/{count}) in a fresh process")
         results[name] = _run_in_fresh_process(name, cfg, args.hlo_dir)
         results[name]["isolated"] = True
         for _ in range(per_mode):
-          tick()
+          progress.tick()
+        progress.say(f"{name}: {_outcome(results[name])}")
     else:
       # Compile every mode, then time them in turn, repeat after repeat:
       # interleaving spreads a noisy machine's drift over all modes.
       prepared = {}
-      for name in modes:
-        describe(f"compiling {name}")
+      for k, name in enumerate(modes, 1):
+        progress.say(f"compiling {name} ({k}/{count})")
+        start = time.perf_counter()
         try:
           prepared[name] = timing.prepare_jax_mode(name, cfg, args.hlo_dir)
         except Exception as e:  # pylint: disable=broad-except
           # One failing mode (e.g. out of memory) must not lose the others.
           results[name] = _failure(name, e)
-      for _ in range(cfg.repeats):
+        progress.say(f"{name}: " + (
+            f"compiled in {time.perf_counter() - start:.1f} s"
+            if name in prepared else _outcome(results[name])))
+      for repeat in range(1, cfg.repeats + 1):
+        progress.say(f"timing repeat {repeat}/{cfg.repeats} of "
+                     f"{len(prepared)} mode(s), {cfg.steps} steps each")
         for name, prep in list(prepared.items()):
-          describe(name)
+          progress.status(f"{name}: repeat {repeat}/{cfg.repeats}")
           try:
-            timing.time_repeat(prep, cfg, tick)
+            timing.time_repeat(prep, cfg, progress.tick)
           except Exception as e:  # pylint: disable=broad-except
             results[name] = _failure(name, e)
             del prepared[name]
@@ -288,13 +337,15 @@ def run(args: argparse.Namespace, cfg: workloads.Config
         results[name] = timing.finish_jax_mode(prep, isolated=False)
       for name in modes:
         results[name]["isolated"] = False
-    for name in torch_modes:
-      describe(name)
+        progress.say(f"{name}: {_outcome(results[name])}")
+    for k, name in enumerate(torch_modes, len(modes) + 1):
+      progress.say(f"running {name} ({k}/{count})")
       try:
-        results[name] = torch_runner.run_torch_mode(name, cfg, tick)
+        results[name] = torch_runner.run_torch_mode(name, cfg, progress.tick)
       except Exception as e:  # pylint: disable=broad-except
         results[name] = _failure(name, e)
       results[name]["isolated"] = False
+      progress.say(f"{name}: {_outcome(results[name])}")
   runs = []
   for name in modes + torch_modes:
     result = results[name]
@@ -305,12 +356,7 @@ def run(args: argparse.Namespace, cfg: workloads.Config
   return runs
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  """`jmp-amp bench` / `python -m jmp_amp.tools.bench`: the exit code."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  # `jmp-amp bench ...` and `python -m jmp_amp.tools.bench ...` both work.
-  if argv and argv[0] == "bench":
-    argv = argv[1:]
+def _bench(argv: list[str]) -> int:
   parser = build_parser()
   args = parser.parse_args(argv)
   if args.worker:
@@ -340,6 +386,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"jmp-amp bench: --plot {args.plot}: {type(e).__name__}: {e}",
             file=sys.stderr)
       code = 1
+  return code
+
+
+# The exit status of a program that wrote to a pipe its reader had closed.
+BROKEN_PIPE_EXIT = 128 + 13
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """`jmp-amp bench` / `python -m jmp_amp.tools.bench`: the exit code."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  # `jmp-amp bench ...` and `python -m jmp_amp.tools.bench ...` both work.
+  if argv and argv[0] == "bench":
+    argv = argv[1:]
+  try:
+    code = _bench(argv)
+    sys.stdout.flush()  # a closed pipe raises here, not at interpreter exit
+  except BrokenPipeError:
+    # The reader went away (`jmp-amp bench | head -1`): not the bench's
+    # failure, and no traceback. Python flushes stdout and stderr again at
+    # exit; pointing them at /dev/null keeps that flush quiet.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+      os.dup2(devnull, stream.fileno())
+    return BROKEN_PIPE_EXIT
   return code
 
 

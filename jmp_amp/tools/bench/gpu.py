@@ -4,9 +4,10 @@ an H100, on a machine without a GPU.
 Each precision mode's train step is built as `jmp-amp bench` builds it, then
 compiled for the target with `jmp_amp.tools.gpu_report`; the table lists per
 mode the GEMMs by dtype, the kernels, the GPU memory XLA assigns and an
-estimate of the bytes the kernels move, with ratios to float32. Compiler
-figures, not timings: nothing runs. `workload_reports` is the library entry
-for scripts (benchmarks/h100_compiled.py).
+estimate of the bytes the kernels move, with ratios to float32, and fits the
+terminal like the timing table. Compiler figures, not timings: nothing runs.
+`workload_reports` is the library entry for scripts
+(benchmarks/h100_compiled.py).
 
 Needs the ``gpu-audit`` extra (the CUDA plugin).
 """
@@ -24,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 
 from jmp_amp.tools import gpu_target
+from jmp_amp.tools.bench import table as table_lib
 from jmp_amp.tools.bench import workloads
 
 DEFAULT_MODES = ("float32", "bf16", "fp16", "autocast-bf16", "autocast-fp16")
@@ -40,6 +42,20 @@ def use_compile_only_cpu() -> None:
 
 
 nnx_step = workloads.nnx_step  # the bench's steps, with any optimizer
+
+
+def row_from_report(name: str, report: gpu_target.GpuReport) -> dict[str, Any]:
+  """A mode's JSON-friendly row: the report's summary and its GEMM shares."""
+  summary = report.summary()
+  flops = summary["gemm_flops_by_input_dtype"]
+  total = sum(flops.values())
+  half = sum(v for k, v in flops.items() if k in ("bf16", "f16"))
+  # "float8_e4m3fn", or "float8_e5m2 x float8_e4m3fn" (backward GEMMs).
+  fp8 = sum(v for k, v in flops.items()
+            if all(part.startswith("float8") for part in k.split(" x ")))
+  return dict(mode=name, status="ok", half_gemm_flops=half / total if total
+              else None, fp8_gemm_flops=fp8 / total if total else None,
+              **summary)
 
 
 def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
@@ -59,16 +75,7 @@ def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any
     # One failing mode must not lose the others.
     return dict(mode=name, status="failed", error=f"{type(e).__name__}: {e}",
                 traceback=traceback.format_exc(limit=5))
-  summary = report.summary()
-  flops = summary["gemm_flops_by_input_dtype"]
-  total = sum(flops.values())
-  half = sum(v for k, v in flops.items() if k in ("bf16", "f16"))
-  # "float8_e4m3fn", or "float8_e5m2 x float8_e4m3fn" (backward GEMMs).
-  fp8 = sum(v for k, v in flops.items()
-            if all(part.startswith("float8") for part in k.split(" x ")))
-  return dict(mode=name, status="ok", half_gemm_flops=half / total if total
-              else None, fp8_gemm_flops=fp8 / total if total else None,
-              **summary)
+  return row_from_report(name, report)
 
 
 RATIO_KEYS = ("temp_bytes", "argument_bytes", "bytes_estimate", "kernels")
@@ -86,15 +93,25 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def workload_reports(model: str, cfg: workloads.Config,
                      modes: Sequence[str] = DEFAULT_MODES,
-                     target: str = "h100") -> list[dict[str, Any]]:
-  """Rows of `mode_report` for one `jmp-amp bench` model, with ratios."""
+                     target: str = "h100",
+                     progress: Callable[[str], None] = lambda text: None
+                     ) -> list[dict[str, Any]]:
+  """Rows of `mode_report` for one `jmp-amp bench` model, with ratios.
+
+  `progress` is told when each mode starts and ends compiling.
+  """
   cfg = dataclasses.replace(cfg, model=model, batches=1)
 
   def build(mode):
     work = workloads.BUILDERS[model](mode, cfg)
     return work.step, work.state, work.batches[0]
 
-  rows = [mode_report(name, build, target) for name in modes]
+  rows = []
+  for k, name in enumerate(modes, 1):
+    progress(f"compiling {name} ({k}/{len(modes)}) for {target}")
+    rows.append(mode_report(name, build, target))
+    progress(f"{name}: " + ("compiled" if rows[-1]["status"] == "ok"
+                            else "FAILED"))
   add_ratios(rows)
   return rows
 
@@ -107,24 +124,34 @@ def _ratio(x: Optional[float]) -> str:
   return "-" if x is None else f"{x:.2f}"
 
 
-COLUMNS = ("mode", "GEMMs by dtype", "half FLOPs", "FP8 FLOPs", "kernels",
-           "temp MiB", "temp ratio", "args MiB", "bytes est MiB",
-           "bytes ratio")
-
-
 def _percent(x: Optional[float]) -> str:
   return "-" if x is None else f"{100 * x:.0f}%"
 
 
+COLUMNS = ("mode", "GEMMs by dtype", "half FLOPs", "FP8 FLOPs", "kernels",
+           "temp MiB", "temp ratio", "args MiB", "bytes est MiB",
+           "bytes ratio")
+# Lower stays longer at a narrow width; the GEMMs go under the table then.
+_PRIORITIES = (0, 9, 3, 5, 4, 6, 1, 8, 7, 2)
+_RIGHT = (False, False) + (True,) * (len(COLUMNS) - 2)
+LEGEND = ("half, FP8 FLOPs: share of GEMM FLOPs on bf16/f16, FP8 operands; "
+          "kernels: launches (a loop body once); temp, args: GPU memory; "
+          "bytes est: what the kernels read and write; ratio: this row / "
+          "float32's.")
+
+
+def _gemms(r: dict[str, Any]) -> str:
+  return ", ".join(f"{n} x {s}" for s, n in r["gemms_by_dtype"].items())
+
+
 def table(rows: list[dict[str, Any]]) -> list[list[str]]:
+  """Every column's cell (`COLUMNS`) for every row."""
   out = []
   for r in rows:
     if r["status"] != "ok":
-      out.append([r["mode"], f"FAILED: {r['error'][:80]}"]
-                 + [""] * (len(COLUMNS) - 2))
+      out.append([r["mode"], "FAILED"] + ["-"] * (len(COLUMNS) - 2))
       continue
-    gemms = ", ".join(f"{n} x {s}" for s, n in r["gemms_by_dtype"].items())
-    out.append([r["mode"], gemms, _percent(r["half_gemm_flops"]),
+    out.append([r["mode"], _gemms(r), _percent(r["half_gemm_flops"]),
                 _percent(r.get("fp8_gemm_flops")),
                 f"{r['kernels']}", _mib(r["temp_bytes"]),
                 _ratio(r["temp_bytes_vs_float32"]), _mib(r["argument_bytes"]),
@@ -132,16 +159,70 @@ def table(rows: list[dict[str, Any]]) -> list[list[str]]:
   return out
 
 
-def print_table(rows: list[dict[str, Any]], title: str, file=None) -> None:
-  file = file or sys.stdout
-  cells = [list(COLUMNS)] + table(rows)
-  widths = [max(len(row[c]) for row in cells) for c in range(len(COLUMNS))]
-  print(title, file=file)
-  print(f"({gpu_target.label(rows[0].get('target', 'h100') if rows else 'h100')}"
-        f"; jax {jax.__version__})", file=file)
-  for row in cells:
-    print("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(row, widths))), file=file)
+def verdict(rows: list[dict[str, Any]]) -> str:
+  """One line: which mode moves the fewest bytes, which GEMMs stay float32."""
+  ok = [r for r in rows if r["status"] == "ok"]
+  base = next((r for r in ok if r["mode"] == "float32"), None)
+  others = [r for r in ok if r is not base]
+  parts = []
+  ranked = [r for r in others if r.get("bytes_estimate_vs_float32") is not None]
+  if ranked:
+    best = min(ranked, key=lambda r: r["bytes_estimate_vs_float32"])
+    parts.append(f"{best['mode']} moves the fewest bytes, "
+                 f"{best['bytes_estimate_vs_float32']:.2f}x float32's, with "
+                 f"{_ratio(best['temp_bytes_vs_float32'])}x its temp memory")
+  elif others:
+    parts.append("no float32 row to compare with (add --policy float32)")
+  low = lambda r: (r.get("half_gemm_flops") or 0) + (r.get("fp8_gemm_flops")
+                                                     or 0)
+  full = [r["mode"] for r in others if low(r) > 0.999]
+  partly = [f"{r['mode']} ({_percent(low(r))} of GEMM FLOPs half or FP8)"
+            for r in others if low(r) <= 0.999]
+  if full:
+    parts.append(f"every GEMM in half precision or FP8 in {', '.join(full)}")
+  if partly:
+    parts.append(f"float32 GEMMs left in {', '.join(partly)}")
+  failed = [r["mode"] for r in rows if r["status"] != "ok"]
+  if failed:
+    parts.append(f"{len(failed)} failed ({', '.join(failed)})")
+  return "Verdict: " + "; ".join(parts or ["nothing compiled"]) + "."
+
+
+def format_report(rows: list[dict[str, Any]], title: str,
+                  width: Optional[int] = None) -> str:
+  """The table within `width` columns, its legend, the verdict, errors."""
+  width = width or table_lib.terminal_width()
+  target = rows[0].get("target", "h100") if rows else "h100"
+  cells = table(rows)
+  shown = table_lib.fit_columns(COLUMNS, cells, _PRIORITIES, width)
+  for r, row in zip(rows, cells):
+    if r["status"] != "ok":  # "FAILED" where it shows, the error below
+      row[shown[1] if len(shown) > 1 else 0] = "FAILED"
+  out = [table_lib.wrap(title, width),
+         table_lib.wrap(f"({gpu_target.label(target)}; jax {jax.__version__})",
+                        width)]
+  out += table_lib.render(COLUMNS, cells, shown, _RIGHT)
+  out.append("")
+  out.append(table_lib.wrap(LEGEND, width, "  "))
+  hidden = [COLUMNS[i] for i in range(len(COLUMNS))
+            if i not in shown and COLUMNS[i] != "GEMMs by dtype"]
+  if hidden:
+    out.append(table_lib.wrap(
+        f"Not shown at this width: {', '.join(hidden)} (widen the terminal, "
+        "or see --json).", width, "  "))
+  if COLUMNS.index("GEMMs by dtype") not in shown:
+    out.append("GEMMs by dtype (count x operand dtypes -> result dtype):")
+    out += [table_lib.wrap(f"  {r['mode']}: {_gemms(r)}", width, "    ")
+            for r in rows if r["status"] == "ok"]
+  out.append(table_lib.wrap(verdict(rows), width, "  "))
+  out += [table_lib.wrap(f"FAILED {r['mode']}: {r['error']}", width, "  ")
+          for r in rows if r["status"] != "ok"]
+  return "\n".join(out)
+
+
+def print_table(rows: list[dict[str, Any]], title: str, file=None,
+                width: Optional[int] = None) -> None:
+  print(format_report(rows, title, width), file=file or sys.stdout)
 
 
 def run(args: argparse.Namespace, cfg: workloads.Config) -> int:
@@ -153,7 +234,12 @@ def run(args: argparse.Namespace, cfg: workloads.Config) -> int:
     print(f"jmp-amp bench --target {args.target}: {e}", file=sys.stderr)
     return 2
   modes = list(dict.fromkeys(args.modes or DEFAULT_MODES))
-  rows = workload_reports(cfg.model, cfg, modes, args.target)
+
+  def progress(text):
+    if not args.no_progress:
+      print(f"jmp-amp bench: {text}", file=sys.stderr, flush=True)
+
+  rows = workload_reports(cfg.model, cfg, modes, args.target, progress)
   sizes = (f"width={cfg.width} layers={cfg.layers} " if cfg.model == "mlp"
            else "")
   print_table(rows, f"{cfg.model} {sizes}batch={cfg.batch_size}, train step "

@@ -1,12 +1,34 @@
 """`jmp-amp bench --plot`: the runs' step times and memory as bar charts.
 
 matplotlib is imported only here, when a plot is asked for (the ``bench``
-extra).
+extra). `suffix_error` lets the CLI refuse a path matplotlib cannot write
+before anything runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Optional
+
+
+def supported_suffixes() -> list[str]:
+  """The file suffixes matplotlib can write (".png" first), as ".png"."""
+  # pylint: disable-next=g-import-not-at-top
+  from matplotlib.backend_bases import FigureCanvasBase
+  names = sorted(FigureCanvasBase.get_supported_filetypes(),
+                 key=lambda name: (name != "png", name))
+  return [f".{name}" for name in names]
+
+
+def suffix_error(path: str) -> Optional[str]:
+  """Why matplotlib could not write a plot to `path`, or None if it can."""
+  suffix = os.path.splitext(path)[1].lower()
+  accepted = supported_suffixes()
+  if suffix in accepted:
+    return None
+  problem = (f"matplotlib cannot write {suffix!r} files" if suffix
+             else "the path has no suffix")
+  return (f"{problem}; give a path ending in one of {', '.join(accepted)}")
 
 
 def plot(runs: list[dict[str, Any]], path: str, title: str) -> None:

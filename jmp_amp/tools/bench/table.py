@@ -86,7 +86,9 @@ _COLUMN_SPECS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool, int],
         else None, ",.1f"), True, 8),
     ("final loss", lambda r: _fmt(r["final_loss"], ".4g"), True, 3),
     ("skipped", lambda r: str(r["skipped_steps"]), True, 5),
-    ("scale", lambda r: _fmt(r.get("loss_scale"), ".0f"), True, 6),
+    ("scale", lambda r: _fmt(r.get("loss_scale"),
+                             ".0f" if (r.get("loss_scale") or 0) < 1e9
+                             else ".3g"), True, 6),
     ("compile s", lambda r: _fmt(r.get("compile_s"), ".2f"), True, 10),
     ("samples/s", lambda r: _fmt(r.get("samples_per_s"), ",.0f"), True, 9),
     ("TFLOP/s", lambda r: _fmt(r.get("tflops"), ".2f"), True, 11),
@@ -173,25 +175,45 @@ def legend(runs: list[dict[str, Any]], cfg: workloads.Config, shown: Sequence[st
   return lines
 
 
+def _steps(r: dict[str, Any]) -> Optional[int]:
+  return (r.get("config") or {}).get("steps")
+
+
 def verdict(runs: list[dict[str, Any]]) -> str:
   """One line: the fastest mode, and whether every mode trained."""
   ok = [r for r in runs if r.get("status") == "ok"]
+  # A mode that skipped every step never updated its weights: its loss is
+  # the initial one and its speed is that of skipping, not of training.
+  frozen = [r for r in ok if _steps(r) and r["skipped_steps"] >= _steps(r)]
+  trained = [r for r in ok if r not in frozen]
   parts = []
-  jax_rows = [r for r in ok if r["framework"] == "jax"
+  jax_rows = [r for r in trained if r["framework"] == "jax"
               and r.get("speedup_vs_float32") is not None]
   if jax_rows:
     best = max(jax_rows, key=lambda r: r["speedup_vs_float32"])
     parts.append(f"fastest JAX mode {best['mode']} at "
                  f"{best['speedup_vs_float32']:.2f}x float32's speed")
   bad = [r["mode"] for r in ok if not math.isfinite(r["final_loss"])]
-  parts.append(f"non-finite final loss in {', '.join(bad)}" if bad
-               else "every mode ended with a finite loss")
-  base = next((r for r in ok if r["mode"] == "float32"), None)
-  if base and not bad and math.isfinite(base["final_loss"]):
+  if bad:
+    parts.append(f"non-finite final loss in {', '.join(bad)}")
+  if frozen:
+    names = ", ".join(r["mode"] for r in frozen)
+    its = "their" if len(frozen) > 1 else "its"
+    parts.append(f"{names} skipped every step (non-finite gradients), so "
+                 f"{its} weights never changed and {its} final loss is that "
+                 "of the initial weights")
+  partly = [f"{r['mode']} skipped {r['skipped_steps']} of {_steps(r)} steps"
+            for r in trained if r["skipped_steps"] and _steps(r)]
+  parts += partly
+  if trained and not bad and not frozen:
+    parts.append("every mode ended with a finite loss")
+  base = next((r for r in trained if r["mode"] == "float32"), None)
+  compared = [r for r in trained if r["framework"] == "jax" and r is not base]
+  if base and compared and not bad and math.isfinite(base["final_loss"]):
     dev = max(abs(r["final_loss"] - base["final_loss"])
-              / max(abs(base["final_loss"]), 1e-12)
-              for r in ok if r["framework"] == "jax")
-    parts.append(f"final losses within {dev:.2%} of float32's")
+              / max(abs(base["final_loss"]), 1e-12) for r in compared)
+    parts.append(f"final losses within {dev:.2%} of float32's"
+                 + (" (of the modes that trained)" if frozen else ""))
   spreads = [r["step_spread"] for r in ok if r.get("step_spread") is not None]
   if spreads and max(spreads) > 0.2:
     parts.append(f"timings are noisy (spread up to {max(spreads):.0%}): "
