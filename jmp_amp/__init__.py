@@ -29,6 +29,7 @@ from jmp_amp._src.scaling import get_loss_scale
 from jmp_amp._src.scaling import get_scaling_state
 from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
+from jmp_amp._src.scaling import scaled_value_and_grad
 from jmp_amp._src.scaling import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
@@ -64,13 +65,13 @@ __all__ = (
     "fp8_conv_general_dilated",
     "fp8_dot_general",
     "fp8_einsum",
-    "get_loss_scale",
     "get_policy",
     "get_scaling_state",
     "gpu_report",
     "half_dtype",
     "loss_scaling",
     "matmul_report",
+    "scaled_value_and_grad",
     "scaling_metrics",
     "select_tree",
 )

@@ -83,7 +83,7 @@ def make_step(opt, policy):
   """A train step whose sharded gradient can be poisoned on one device."""
   def step(state, batch, poison):
     params, opt_state = state["params"], state["opt_state"]
-    loss_scale = jmp_amp.get_loss_scale(opt_state)
+    loss_scale = jmp_amp.get_scaling_state(opt_state).loss_scale
 
     def scaled_loss(p):
       loss = rh.loss_fn(p, batch, policy)
@@ -216,7 +216,7 @@ def check_shard_map(results, mesh):
 
     def per_device(w, x, y):
       state = opt.init(w)
-      scale = jmp_amp.get_loss_scale(state)
+      scale = jmp_amp.get_scaling_state(state).loss_scale
       loss = lambda w: scale.scale(jnp.mean((x @ w[0] - y) ** 2))
       g = jax.grad(loss)(w)
       bad = jax.lax.axis_index("data") == bad_device
@@ -268,17 +268,15 @@ def check_checkpoint(results, mesh, state_sh, state):
         for x in jax.tree_util.tree_leaves(restored))
 
 
-def check_gpu_finite_check(results, mesh):
-  """The GPU finite check on sharded gradients: no gathers, right answer."""
-  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+def check_finite_check(results, mesh):
+  """The finite check on sharded gradients: no gathers, right answer."""
   rng = np.random.default_rng(0)
   shapes_specs = [((64, 2048), P(None, "data")), ((2048, 64), P("data")),
                   ((32, 8, 1024), P(None, None, "data")), ((2**17,), P("data"))]
   tree = [jax.device_put(jnp.asarray(rng.normal(size=s), jnp.float16),
                          NamedSharding(mesh, spec)) for s, spec in shapes_specs]
-  ls = jmp_amp.DynamicLossScale(2.0**15)
-  # pylint: disable-next=protected-access
-  check = jax.jit(lambda t: scaling_lib._finite_by_rows(ls, t))
+  opt = jmp_amp.loss_scaling(optax.identity(), jmp_amp.DynamicLossScale(2.0**15))
+  check = jax.jit(lambda t: opt.update(t, opt.init(t))[1].grads_finite)
   hlo = check.lower(tree).compile().as_text()
   # The number of elements each collective produces (the partial results
   # the devices exchange): far below a gradient's 2**17 if nothing is
@@ -302,7 +300,7 @@ def main():
     return 1
   mesh, state_sh, fsdp_state = check_jit(results)
   check_shard_map(results, mesh)
-  check_gpu_finite_check(results, mesh)
+  check_finite_check(results, mesh)
   if "--no-checkpoint" not in sys.argv:
     check_checkpoint(results, mesh, state_sh, fsdp_state)
   print(json.dumps(results))

@@ -43,7 +43,7 @@ def _train(policy_name, loss_scale, steps=300):
     def loss_fn(p):
       logits = _forward(p, xb, policy).astype(jnp.float32)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-      return jmp_amp.get_loss_scale(state).scale(loss)
+      return jmp_amp.get_scaling_state(state).loss_scale.scale(loss)
     grads = jax.grad(loss_fn)(params)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
@@ -69,4 +69,4 @@ def test_bf16_and_fp16_match_float32_accuracy_on_digits():
   for p in (p_bf16, p_fp16):
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(p))
     assert bool(jmp_amp.all_finite(p))
-  assert float(jmp_amp.get_loss_scale(state).loss_scale) >= 1.0
+  assert float(jmp_amp.get_scaling_state(state).loss_scale.loss_scale) >= 1.0

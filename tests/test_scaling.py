@@ -11,7 +11,6 @@ import optax
 import pytest
 
 import jmp_amp
-from jmp_amp._src.tree import where_tree
 from helpers import tree_bytes_equal
 
 OPTIMIZERS = {
@@ -31,7 +30,7 @@ def _warm_state(opt, params, steps=3):
   """A state that has taken some finite steps (non-trivial moments)."""
   state = opt.init(params)
   for i in range(steps):
-    scale = jmp_amp.get_loss_scale(state).loss_scale
+    scale = jmp_amp.get_scaling_state(state).loss_scale.loss_scale
     grads = _grads_like(params, (i + 1) * 0.1 * scale)
     _, state = opt.update(grads, state, params)
   return state
@@ -95,7 +94,7 @@ def test_trajectory_equals_inner_run_that_omits_bad_steps(kinds, name):
   update = jax.jit(opt.update)
   for i, kind in enumerate(kinds):
     g = {"w": jnp.full((2, 3), 0.1 * (i + 1)) * q["w"]}
-    scale = jmp_amp.get_loss_scale(state).loss_scale
+    scale = jmp_amp.get_scaling_state(state).loss_scale.loss_scale
     scaled = {"w": g["w"] * scale}
     if kind != "finite":
       scaled = {"w": scaled["w"].at[0, 0].set(jnp.inf if kind == "inf" else jnp.nan)}
@@ -115,9 +114,9 @@ def test_get_loss_scale_inside_multisteps_and_chain(small_params):
                   optax.chain(optax.identity(), scaled),
                   optax.chain(optax.scale(1.0), optax.MultiSteps(scaled, 2))):
     state = wrapped.init(small_params)
-    assert float(jmp_amp.get_loss_scale(state).loss_scale) == 2.0**9
+    assert float(jmp_amp.get_scaling_state(state).loss_scale.loss_scale) == 2.0**9
     state = jax.jit(lambda s: s)(state)
-    assert float(jmp_amp.get_loss_scale(state).loss_scale) == 2.0**9
+    assert float(jmp_amp.get_scaling_state(state).loss_scale.loss_scale) == 2.0**9
 
 
 def test_multisteps_accumulates_then_applies_and_skips(small_params):
@@ -134,7 +133,7 @@ def test_multisteps_accumulates_then_applies_and_skips(small_params):
   u4, state = opt.update(grads, state, small_params)
   chex.assert_trees_all_close(u4, jax.tree_util.tree_map(jnp.zeros_like, u4))
   assert int(jmp_amp.get_scaling_state(state).skipped_steps) == 1
-  assert float(jmp_amp.get_loss_scale(state).loss_scale) == 2.0
+  assert float(jmp_amp.get_scaling_state(state).loss_scale.loss_scale) == 2.0
 
 
 def test_noop_scale_still_skips_nonfinite(small_params):
@@ -194,21 +193,29 @@ def test_bad_arguments_raise_clear_errors(small_params):
   with pytest.raises(ValueError, match="different tree structures"):
     opt.update({"w": jnp.ones(2)}, opt.init(small_params), small_params)
   with pytest.raises(ValueError, match="No loss_scaling state"):
-    jmp_amp.get_loss_scale(optax.adam(1e-3).init(small_params))
+    jmp_amp.get_scaling_state(optax.adam(1e-3).init(small_params))
   twice = optax.chain(opt, opt)
   with pytest.raises(ValueError, match="Found 2 loss_scaling states"):
-    jmp_amp.get_loss_scale(twice.init(small_params))
+    jmp_amp.get_scaling_state(twice.init(small_params))
 
 
-def test_where_tree_keeps_the_dtypes_of_the_old_tree():
-  old = {"w": jnp.ones(2, jnp.bfloat16), "n": jnp.zeros((), jnp.int32)}
-  new = {"w": jnp.full(2, 3.0, jnp.float32), "n": 5}
-  kept = where_tree(jnp.bool_(False), new, old)
-  taken = where_tree(jnp.bool_(True), new, old)
-  assert tree_bytes_equal(kept, old)
-  assert taken["w"].dtype == jnp.bfloat16 and taken["n"].dtype == jnp.int32
-  np.testing.assert_array_equal(np.asarray(taken["w"], np.float32), [3.0, 3.0])
-  assert int(taken["n"]) == 5
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_a_step_keeps_the_dtypes_of_the_inner_state(skip_with):
+  # inject_hyperparams' float32 momentum would widen a float16 trace; the
+  # state keeps its dtypes whether the step is taken or skipped.
+  opt = jmp_amp.loss_scaling(
+      optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+      jmp_amp.DynamicLossScale(2.0), skip_with=skip_with)
+  params = {"w": jnp.ones(2, jnp.float16)}
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  _, taken = update({"w": jnp.full(2, 2.0, jnp.float16)}, state, params)
+  _, kept = update({"w": jnp.array([1.0, jnp.nan], jnp.float16)}, state,
+                   params)
+  dtypes = lambda t: [jnp.result_type(x) for x in jax.tree.leaves(t)]
+  assert dtypes(taken.inner_state) == dtypes(state.inner_state)
+  assert tree_bytes_equal(kept.inner_state, state.inner_state)
+  assert bool(taken.grads_finite) and not bool(kept.grads_finite)
 
 
 # --- The skip mechanisms, against a straightforward reference.
@@ -225,7 +232,9 @@ def _reference_update(inner, loss_scale_state, grads, inner_state, params):
   updates, new_inner = inner.update(grads, inner_state, params)
   updates = jax.tree_util.tree_map(
       lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
-  new_inner = where_tree(finite, new_inner, inner_state)
+  new_inner = jax.tree.map(
+      lambda n, o: jnp.where(finite, n, o).astype(o.dtype), new_inner,
+      inner_state)
   return updates, new_inner, loss_scale_state.adjust(finite), finite
 
 
@@ -278,13 +287,11 @@ def test_auto_skips_with_cond_on_cpu_and_select_keeps_no_conditional(
     pytest.skip("the backend choice checked here is CPU's")
   make = lambda how: jmp_amp.loss_scaling(
       optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0**4), skip_with=how)
-  # The CPU finite check compares with a threshold (no conditional); the
-  # skip is the only one, except with selects.
   count = lambda how: _compiled_text(make(how), small_params).count(
       "conditional(")
   assert count("auto") == count("cond") == 1
   assert count("select") == 0
-  # SGD has no state to hold twice: auto selects.
+  # SGD has no state to keep: auto selects.
   sgd = jmp_amp.loss_scaling(optax.sgd(1e-3), jmp_amp.DynamicLossScale(2.0**4))
   assert _compiled_text(sgd, small_params).count("conditional(") == 0
 
@@ -374,51 +381,43 @@ def test_nonfinite_loss_with_finite_grads(skip_with, small_params):
     opt.update(grads, state, small_params)
 
 
-def _check(name, **kwargs):
-  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
-  return lambda loss_scale, tree: getattr(scaling_lib, name)(
-      loss_scale, tree, **kwargs)
+def _grads_finite(loss_scale, tree) -> bool:
+  """What loss_scaling decides for the gradients `tree` (public API only)."""
+  opt = jmp_amp.loss_scaling(optax.identity(), loss_scale)
+  _, state = jax.jit(opt.update)(tree, opt.init(tree))
+  return bool(state.grads_finite)
 
 
-# The finite checks loss_scaling compiles, by name.
-FINITE_CHECKS = {
-    "gpu_rows": _check("_finite_by_rows"),
-    "cpu_elementwise": _check("_finite_on_cpu"),
-    "cpu_materialized": _check("_finite_on_cpu", materialized=True),
-}
+def _reference_finite(loss_scale, tree) -> bool:
+  """all_finite of what the optimizer receives: each leaf unscaled in f32."""
+  def unscale(g):
+    wide = jnp.promote_types(g.dtype, jnp.float32)
+    return loss_scale.unscale(g.astype(wide)).astype(g.dtype)
+  return bool(jmp_amp.all_finite(jax.tree.map(unscale, tree)))
 
 
 @pytest.mark.parametrize("loss_scale", [
     jmp_amp.NoOpLossScale(), jmp_amp.StaticLossScale(2.0**15),
-    jmp_amp.StaticLossScale(2.0**-12), jmp_amp.DynamicLossScale(2.0**-20, min_loss_scale=2.0**-30),
+    jmp_amp.StaticLossScale(2.0**-12),
+    jmp_amp.DynamicLossScale(2.0**-20, min_loss_scale=2.0**-30),
     jmp_amp.DynamicLossScale(3.0)], ids=str)
-@pytest.mark.parametrize("check_name", FINITE_CHECKS)
-def test_finite_checks_agree_with_all_finite(loss_scale, check_name):
-  # The checks loss_scaling compiles for GPUs (row sums of x * 0 and row
-  # maxima, unscaled at the end) and for CPUs (|g| against the largest value
-  # whose unscale is finite, elementwise or by reductions), against
-  # all_finite of the unscaled gradients, over leaves of many kinds. Scales
-  # below 1 make the unscale overflow for large finite values; those must
-  # count too.
-  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
+def test_finite_check_agrees_with_all_finite_of_the_unscaled_grads(
+    loss_scale):
+  # Over leaves of many kinds (large ones checked alone, small ones in
+  # groups), against all_finite of the unscaled gradients. Scales below 1
+  # make the unscale overflow for large finite values; those must count.
   rng = np.random.default_rng(0)
   shapes = [(), (3,), (2**15,), (0, 4), (5, 7), (3, 4, 6), (4, 2**14),
-            (3, 2**14 + 1)]
+            (3, 2**14 + 1)] + [(17,)] * 11
   dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64]
-  # pylint: disable=protected-access
-  check = jax.jit(lambda t: FINITE_CHECKS[check_name](loss_scale, t))
-  reference = jax.jit(
-      lambda t: jmp_amp.all_finite(scaling_lib._unscale(loss_scale, t)))
-  # pylint: enable=protected-access
   scale = float(jnp.asarray(getattr(loss_scale, "loss_scale", 1.0)))
   magnitude = 1e3 * min(1.0, scale)  # clean trials stay finite unscaled.
   overflows = 0
   for trial in range(24):
     tree = {f"{i}": jnp.asarray(rng.normal(size=s) * magnitude, d)
             for i, (s, d) in enumerate(zip(shapes, rng.permutation(
-                dtypes * 2)[:len(shapes)]))}
-    tree["ints"] = jnp.arange(3)
-    key = str(rng.choice([k for k in tree if k != "ints" and tree[k].size]))
+                dtypes * 5)[:len(shapes)]))}
+    key = str(rng.choice([k for k in tree if tree[k].size]))
     flat = np.array(tree[key]).reshape(-1)
     if trial % 3 == 1:
       bad = rng.choice([np.inf, -np.inf, np.nan])
@@ -429,8 +428,8 @@ def test_finite_checks_agree_with_all_finite(loss_scale, check_name):
       big = float(jnp.finfo(flat.dtype).max) * rng.choice([0.5, 1e-3, 1e-6])
       flat[rng.integers(flat.size)] = -big if trial % 2 else big
     tree[key] = jnp.asarray(flat.reshape(tree[key].shape), tree[key].dtype)
-    expected = bool(reference(tree))
-    assert bool(check(tree)) == expected, trial
+    expected = _reference_finite(loss_scale, tree)
+    assert _grads_finite(loss_scale, tree) == expected, trial
     if trial % 3 == 1:
       assert not expected, trial
     if trial % 3 == 0:
@@ -440,71 +439,16 @@ def test_finite_checks_agree_with_all_finite(loss_scale, check_name):
   assert (overflows > 0) == (scale < 1), overflows
 
 
-@pytest.mark.parametrize("check_name", FINITE_CHECKS)
 @pytest.mark.parametrize("bad_scale", [np.nan, np.inf, 0.0, -1.0])
-def test_finite_checks_with_a_broken_scale(check_name, bad_scale):
+def test_finite_check_with_a_broken_scale(bad_scale):
   # A scale restored from a damaged checkpoint (or built under jit): the
-  # unscaled gradients are NaN/inf/sign-flipped; every check must agree with
+  # unscaled gradients are NaN/inf/sign-flipped; the check must agree with
   # all_finite of what the optimizer would receive.
-  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
-  ls = jax.tree_util.tree_map(
+  ls = jax.tree.map(
       lambda x: jnp.asarray(bad_scale, x.dtype) if x.dtype == jnp.float32
       else x, jmp_amp.DynamicLossScale(2.0**15))
   tree = {"w": jnp.full((4, 2**13), 0.5, jnp.float16), "b": jnp.ones(3)}
-  # pylint: disable=protected-access
-  got = jax.jit(lambda t: FINITE_CHECKS[check_name](ls, t))(tree)
-  want = jmp_amp.all_finite(scaling_lib._unscale(ls, tree))
-  # pylint: enable=protected-access
-  assert bool(got) == bool(want)
-
-
-def _broken(scale):
-  """A DynamicLossScale holding `scale` as is (even 0, inf or NaN)."""
-  return jax.tree_util.tree_map(
-      lambda x: jnp.asarray(scale, x.dtype) if x.dtype == jnp.float32 else x,
-      jmp_amp.DynamicLossScale(2.0**15))
-
-
-@settings(max_examples=150, deadline=None)
-@given(scale=st.one_of(
-    st.floats(2.0**-60, 2.0**60),
-    st.sampled_from([1.0, 0.5, 3.0, 2.0**-24, 1e-38, 0.0, -0.5, float("inf"),
-                     float("nan")])),
-       dtype=st.sampled_from(["float16", "bfloat16", "float32"]))
-def test_cpu_threshold_is_the_largest_value_whose_unscale_is_finite(
-    scale, dtype):
-  # The CPU check passes a finite g exactly when |g| <= t: t must be the
-  # largest value of the gradients' dtype whose unscale (the one the
-  # optimizer gets) is finite, or -inf when even 0 does not unscale to a
-  # finite value. Checked against the unscale itself, one ulp either side.
-  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
-  # pylint: disable=protected-access
-  ls = _broken(scale)
-  dtype = jnp.dtype(dtype)
-  t = _cpu_threshold(ls, dtype)
-  finite = lambda x: bool(jnp.isfinite(
-      scaling_lib._unscale_leaf(ls, jnp.asarray(x, dtype))))
-  # pylint: enable=protected-access
-  top = jnp.finfo(dtype).max
-  if t == -jnp.inf:
-    assert not finite(0.0)
-    return
-  assert t.dtype == dtype and 0 <= t <= top
-  assert finite(t)
-  if t < top:
-    assert not finite(jnp.nextafter(t, jnp.asarray(jnp.inf, dtype)))
-  if abs(scale) >= 1:
-    assert t == top  # |1 / scale| <= 1 cannot overflow.
-
-
-@jax.jit
-def _cpu_threshold_jit(ls, zero):
-  from jmp_amp._src import scaling as scaling_lib  # pylint: disable=g-import-not-at-top
-  return scaling_lib._largest_finite_unscaled(ls, zero.dtype)  # pylint: disable=protected-access
-
-
-def _cpu_threshold(ls, dtype):
-  return _cpu_threshold_jit(ls, jnp.zeros((), dtype))
+  assert _grads_finite(ls, tree) == _reference_finite(ls, tree)
 
 
 @pytest.mark.parametrize("skip_with", ["auto", "cond", "select"])
@@ -532,3 +476,33 @@ def test_skip_when_updates_change_shape_or_dtype(skip_with):
   assert not bool(state.grads_finite)
   for leaf in jax.tree_util.tree_leaves(updates):
     assert np.all(np.asarray(leaf) == 0) and np.all(np.signbit(leaf))
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_scaled_value_and_grad_gives_the_loss_and_scaled_grads(has_aux):
+  scale = 2.0**10
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(scale))
+  params = {"w": jnp.array([1.0, -2.0])}
+  state = opt.init(params)
+  def loss_fn(p, x):
+    loss = jnp.sum(p["w"] * x)
+    return (loss, {"x": x}) if has_aux else loss
+  x = jnp.array([3.0, 0.5])
+  value, grads = jax.jit(jmp_amp.scaled_value_and_grad(
+      loss_fn, state, has_aux=has_aux))(params, x)
+  want_value, want_grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(
+      params, x)
+  chex.assert_trees_all_equal(value, want_value)
+  chex.assert_trees_all_equal(grads, jax.tree.map(lambda g: g * scale,
+                                                  want_grads))
+  # And the update they make is the unscaled one: -lr * dL/dw.
+  updates, _ = opt.update(grads, state, params)
+  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, want_grads))
+
+
+def test_get_loss_scale_is_a_deprecated_alias(small_params):
+  opt = jmp_amp.loss_scaling(optax.sgd(0.1), jmp_amp.DynamicLossScale(8.0))
+  state = opt.init(small_params)
+  with pytest.warns(DeprecationWarning, match="get_scaling_state"):
+    ls = jmp_amp.get_loss_scale(state)
+  assert ls == jmp_amp.get_scaling_state(state).loss_scale

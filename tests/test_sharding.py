@@ -111,8 +111,8 @@ def test_sharded_checkpoint_round_trip(results):
   assert results["ckpt_resharded_replicated"]
 
 
-def test_gpu_finite_check_reads_sharded_gradients_in_place(results):
-  # The check compiled for GPUs, on gradients sharded along each axis: the
+def test_finite_check_reads_sharded_gradients_in_place(results):
+  # The finite check, on gradients sharded along each axis: the
   # devices exchange their partial results (a few elements), never the
   # gradients (2**17 elements each), and a NaN on one shard is seen.
   assert results["gpu_check_clean"]

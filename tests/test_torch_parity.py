@@ -34,7 +34,7 @@ def run_jax(scenario):
   def step(carry, batch):
     params, state = carry
     x, y = batch
-    loss_scale = jmp_amp.get_loss_scale(state)
+    loss_scale = jmp_amp.get_scaling_state(state).loss_scale
 
     def loss_fn(p):
       return loss_scale.scale(jnp.mean((x @ p["w"] + p["b"] - y) ** 2))

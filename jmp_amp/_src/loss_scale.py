@@ -539,3 +539,12 @@ jax.tree_util.register_pytree_node(
 jax.tree_util.register_pytree_node(DynamicLossScale, _flatten, _unflatten_node)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+def check_loss_scale(loss_scale: Any) -> None:
+  """Raises unless `loss_scale` is one of the three loss scale classes."""
+  if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale,
+                                 DynamicLossScale)):
+    raise TypeError(
+        "loss_scale must be a jmp_amp NoOpLossScale, StaticLossScale or "
+        f"DynamicLossScale, got {type(loss_scale).__name__}: {loss_scale!r}")

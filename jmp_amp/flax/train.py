@@ -229,7 +229,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     diff = nnx.Any(wrt, fp8.FP8Meta)
     graphdef, params, rest = nnx.split(model, diff, ...)
     opt_state = _optax_state(optimizer)
-    loss_scale = jmp_amp.get_loss_scale(opt_state)
+    loss_scale = jmp_amp.get_scaling_state(opt_state).loss_scale
 
     def forward(params, rest, batch):
       # copy: fresh Variables of this trace, which the forward pass may update.
@@ -373,7 +373,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
   def step(state: train_state.TrainState, batch: Any):
     cols = {name: getattr(state, name) for name in mutable
             if getattr(state, name, None) is not None}
-    loss_scale = jmp_amp.get_loss_scale(state.opt_state)
+    loss_scale = jmp_amp.get_scaling_state(state.opt_state).loss_scale
 
     def forward(params, cols, batch):
       box = dict(cols)
