@@ -12,7 +12,6 @@ own paths alone (`plain_layout`).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Iterator, Optional
 
 import jax
@@ -39,8 +38,7 @@ def _committed(step: ocp.step.Metadata) -> bool:
   # (rather than silently skipping the step); a missing one, or one with no
   # commit time, is a directory orbax never committed.
   return (step.init_timestamp_nsecs is None
-          and os.path.exists(os.path.join(os.fspath(step.path),
-                                          _STEP_METADATA)))
+          and (step.path / _STEP_METADATA).exists())
 
 
 class CommittedSteps(ocp.step.NameFormat[ocp.step.Metadata]):
