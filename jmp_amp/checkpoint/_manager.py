@@ -27,8 +27,9 @@ from jmp_amp.checkpoint import _nnx
 
 PathLike = Union[str, os.PathLike]
 
+
 class CheckpointManager:
-  """`ocp.CheckpointManager` that saves and checks loss-scale metadata.
+  """An `ocp.CheckpointManager` that refuses what would not resume the run.
 
   Args:
     directory: where step directories are written (created if missing).
