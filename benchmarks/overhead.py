@@ -531,9 +531,55 @@ def print_rows(report):
       print(f"  {name:28} ERROR {err}")
 
 
+# Compile-time cases: (optimizer, number of 8x8 float32 leaves).
+COMPILE_CASES = {"adam300": ("adam", 300), "sgd1000": ("sgd", 1000)}
+
+
+def compile_seconds(opt, leaves):
+  """CPU seconds (process time) to trace, lower and compile one update."""
+  params = {f"p{i}": jnp.ones((8, 8)) for i in range(leaves)}
+  state = opt.init(params)
+
+  def step(grads, state, params):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  jax.clear_caches()
+  start = time.process_time()
+  jax.jit(step).trace(params, state, params).lower().compile()
+  return time.process_time() - start
+
+
+def run_compile(case, rounds):
+  """Compile time of each variant against bare optax, interleaved rounds."""
+  opt_name, leaves = COMPILE_CASES[case]
+  inner = lambda: make_optax(opt_name, 1e-3)
+  variants = {
+      "optax": inner,
+      "jmp_amp dynamic": lambda: jmp_amp.loss_scaling(
+          inner(), jmp_amp.DynamicLossScale(INIT_SCALE)),
+      "optax apply_if_finite": lambda: optax.apply_if_finite(inner(), 10),
+  }
+  seconds = {name: [] for name in variants}
+  for r in range(rounds):
+    names = list(variants)
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      seconds[name].append(compile_seconds(variants[name](), leaves))
+  results = {}
+  for name, times in seconds.items():
+    ratios = [t / b for t, b in zip(times, seconds["optax"])]
+    results[name] = {"seconds_median": statistics.median(times),
+                     "ratio_median": statistics.median(ratios)}
+    print(f"{case:8s} {name:24s} {statistics.median(times):6.2f} s  "
+          f"{statistics.median(ratios):5.2f}x", flush=True)
+  return {"workload": case, "optimizer": opt_name, "leaves": leaves,
+          "leaf_shape": [8, 8], "rounds": rounds, "results": results}
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--target", choices=["cpu", "h100"], default="cpu")
+  ap.add_argument("--target", choices=["cpu", "h100", "compile"],
+                  default="cpu")
   ap.add_argument("--workloads", default=None,
                   help="comma-separated; default adam20m,seed-cpu (cpu) or "
                        "adam20m,seed (h100)")
@@ -545,10 +591,18 @@ def main(argv=None):
                   help="h100: directory for the optimized HLO of each step")
   a = ap.parse_args(argv)
   skip = tuple(s for s in a.skip.split(",") if s)
-  default = "adam20m,seed-cpu" if a.target == "cpu" else "adam20m,seed"
+  default = "adam20m,seed" if a.target == "h100" else "adam20m,seed-cpu"
   workloads = (a.workloads or default).split(",")
   report = {"env": environment(a.target), "target": a.target, "workloads": []}
-  if a.target == "cpu":
+  if a.target == "compile":
+    report["method"] = (
+        "CPU process time of jax.jit(step).trace().lower().compile() for one "
+        "update plus apply_updates, caches cleared before each; variants "
+        "interleaved in rounds (order rotating); ratio to bare optax taken "
+        "within a round, median over rounds")
+    for w in (a.workloads or ",".join(COMPILE_CASES)).split(","):
+      report["workloads"].append(run_compile(w, a.rounds))
+  elif a.target == "cpu":
     report["method"] = (
         "interleaved rounds in one process; each round runs every variant for "
         f"{a.steps} steps (order rotating); ratios taken within a round, "

@@ -281,16 +281,17 @@ def check_finite_check(results, mesh):
   # The number of elements each collective produces (the partial results
   # the devices exchange): far below a gradient's 2**17 if nothing is
   # gathered.
-  sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-           for dims in re.findall(
-               r"= \w+\[([\d,]*)\][^ ]* (?:all-gather|all-to-all|"
+  sizes = [sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for dims in re.findall(r"\w+\[([\d,]*)\]", result))
+           for result in re.findall(
+               r"= (\([^)]*\)|\w+\[[\d,]*\])\S* (?:all-gather|all-to-all|"
                r"collective-permute|all-reduce|reduce-scatter)\(", hlo)]
-  results["gpu_check_collective_sizes"] = sizes
-  results["gpu_check_clean"] = bool(check(tree))
+  results["finite_check_collective_sizes"] = sizes
+  results["finite_check_clean"] = bool(check(tree))
   bad = np.array(tree[0])
   bad[5, 2047] = np.nan  # on the last device's shard
   tree[0] = jax.device_put(jnp.asarray(bad), tree[0].sharding)
-  results["gpu_check_nan_shard"] = bool(check(tree))
+  results["finite_check_nan_shard"] = bool(check(tree))
 
 
 def main():

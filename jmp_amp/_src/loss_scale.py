@@ -246,9 +246,8 @@ class DynamicLossScale:
   steps (None when ``hysteresis == 1``). The other fields are static aux data,
   so they survive `jit` (jmp lost ``min_loss_scale`` there).
 
-  ``==`` compares the static fields in Python and the leaves as arrays: it
-  returns a Python bool for concrete leaves and a boolean scalar array under
-  `jit`. Instances are frozen; `dataclasses.replace` (or `replace`) validates
+  ``==`` compares the static fields and the leaf values and returns a Python
+  bool (under `jit`, where values are unknown, it raises). Instances are frozen; `dataclasses.replace` (or `replace`) validates
   like the constructor.
 
   Example:
@@ -486,20 +485,24 @@ class DynamicLossScale:
   def _leaves(self) -> tuple[Any, ...]:
     return tuple(getattr(self, name) for name in _LEAF_FIELDS)
 
-  def __eq__(self, other):
+  def __eq__(self, other) -> bool:
+    """Same static fields and the same leaf values: a Python bool.
+
+    Raises:
+      TypeError: under `jit`, where leaf values are not known (compare the
+        ``loss_scale`` arrays themselves there).
+    """
     if type(other) is not DynamicLossScale:
       return NotImplemented
     if self._static() != other._static():
       return False
-    pairs = [(a, b) for a, b in zip(self._leaves(), other._leaves())]
-    if any((a is None) != (b is None) for a, b in pairs):
-      return False
-    pairs = [(a, b) for a, b in pairs if a is not None]
+    pairs = list(zip(self._leaves(), other._leaves()))
     if any(isinstance(x, jax.core.Tracer) for pair in pairs for x in pair):
-      return jnp.all(jnp.stack([jnp.all(jnp.asarray(a) == jnp.asarray(b))
-                                for a, b in pairs]))
-    return all(np.shape(a) == np.shape(b)
-               and bool(np.all(np.asarray(a) == np.asarray(b)))
+      raise TypeError(
+          "DynamicLossScale == needs concrete values; under jit compare the "
+          "arrays, e.g. jnp.all(a.loss_scale == b.loss_scale)")
+    return all((a is None) == (b is None) and (a is None or (
+        np.shape(a) == np.shape(b) and bool(np.all(np.asarray(a) == np.asarray(b)))))
                for a, b in pairs)
 
   __hash__ = None  # Leaves are arrays.

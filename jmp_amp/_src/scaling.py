@@ -12,7 +12,6 @@ from typing import Any, Callable, NamedTuple, Optional
 import warnings
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -57,13 +56,12 @@ def _unscale(loss_scale: ls_lib.LossScale, grads):
                       loss_scale.unscale(wide), grads)
 
 
-def _unscaled_finite(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
-  """Whether every gradient is finite once unscaled, as the optimizer gets it.
+def _all_finite(grads) -> jax.Array:
+  """Whether every gradient is finite: `all_finite`, fewer reductions.
 
-  Exact: an unscale that overflows (a scale below 1) counts as non-finite.
-  The unscale fuses into the reduction that checks it. Small leaves are
-  checked `_GROUP` at a time, concatenated into one reduction, which keeps
-  the compiled program small for models with hundreds of leaves.
+  Small leaves are checked `_GROUP` at a time, concatenated into one
+  reduction, which keeps the compiled program small for models with hundreds
+  of leaves.
   """
   large, small = [], {}
   for g in jax.tree.leaves(grads):
@@ -71,10 +69,9 @@ def _unscaled_finite(loss_scale: ls_lib.LossScale, grads) -> jax.Array:
       large.append(g)
     elif g.size:
       small.setdefault(g.dtype, []).append(g.reshape(-1))
-  groups = large + [jnp.concatenate(leaves[i:i + _GROUP])
-                    for leaves in small.values()
-                    for i in range(0, len(leaves), _GROUP)]
-  return all_finite(_unscale(loss_scale, groups))
+  return all_finite(large + [jnp.concatenate(leaves[i:i + _GROUP])
+                             for leaves in small.values()
+                             for i in range(0, len(leaves), _GROUP)])
 
 
 def _vma(aval) -> frozenset:
@@ -261,7 +258,11 @@ def loss_scaling(inner: optax.GradientTransformation,
           "loss_scaling(..., check_loss=True) needs the loss: call "
           "update(grads, state, params, value=loss)")
     loss_scale = state.loss_scale
-    finite = _unscaled_finite(loss_scale, updates)
+    # The check reads the gradients as the optimizer gets them, so an unscale
+    # that overflows (a scale below 1) counts as non-finite. The unscale fuses
+    # into the check's reductions and, computed again inside `apply`, into the
+    # optimizer's own kernels (one value, bit for bit, wherever it runs).
+    finite = _all_finite(_unscale(loss_scale, updates))
     if check_loss:
       finite &= all_finite(extra_args["value"])
     if axis_name is not None:
@@ -289,20 +290,20 @@ def loss_scaling(inner: optax.GradientTransformation,
 def _apply_or_skip(finite, apply: Callable, grads, inner_state, skip_with):
   """`apply(grads, inner_state)` if `finite`, else a skipped step.
 
-  `apply` (the inner optimizer) is traced once, into a jaxpr that every
-  skip mechanism evaluates: a ``platform_dependent`` choice traces each of
-  its branches, which would otherwise trace the optimizer once per branch.
+  `apply` (the inner optimizer) is traced once: as a jitted function, every
+  later call (the shapes, each skip mechanism, each branch of the platform
+  choice) reuses that trace and adds one call to it.
   """
-  closed, out_shapes = jax.make_jaxpr(apply, return_shape=True)(
+  run = jax.jit(apply)
+  closed, out_shapes = jax.make_jaxpr(run, return_shape=True)(
       grads, inner_state)
-  args = jax.tree.leaves((grads, inner_state))
-  run = lambda: jex_core.jaxpr_as_fun(closed)(*args)
   skip = lambda how: functools.partial(
-      _skip, finite, run, closed.out_avals, jax.tree.leaves(inner_state), how)
+      _skip, finite, lambda: jax.tree.leaves(run(grads, inner_state)),
+      closed.out_avals, jax.tree.leaves(inner_state), how)
   if skip_with == "auto" and not jax.tree.leaves(inner_state):
     flat = skip("select")()  # no state to keep: nothing for a cond to save.
   elif skip_with == "auto":
-    cond = skip("cond")  # one branch for both platforms, traced once.
+    cond = skip("cond")  # one branch for both platforms.
     flat = jax.lax.platform_dependent(cpu=cond, tpu=cond,
                                       default=skip("select"))
   else:
