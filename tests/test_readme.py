@@ -1,107 +1,154 @@
-"""README.md's code blocks run as written, and its commands are the real ones.
+"""README.md: short, its commands are the real ones, its policy table is true.
 
-Every ```python block is executed in a fresh namespace (the torch one needs
-torch). Every `jmp-amp bench` line in a ```bash block parses with the bench's
-own argument parser. The two set-up commands name extras that exist, and
-`.ci/run` runs the README's test command verbatim.
+The README's code blocks and figures are checked with every docs page's, in
+test_docs.py. Here: its size, the two set-up commands (which `.ci/run` runs
+verbatim), the install hints, the links to every docs page and the
+policy-name table, against `jmp_amp.get_policy` and the modes of
+`jmp-amp bench`.
 """
 
-import contextlib
-import io
 import pathlib
 import re
-import shlex
 
 import pytest
 
-from jmp_amp.tools.bench import cli as bench
+import jmp_amp
+from jmp_amp.tools.bench import workloads
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 
-def blocks(language):
-  """(line number, source) of every fenced block in `language`."""
-  return [(README[:m.start()].count("\n") + 1, m.group(2))
-          for m in _FENCE.finditer(README) if m.group(1) == language]
+def section(title: str) -> str:
+  """The text of the `## title` section, up to the next `## ` heading."""
+  start = README.index(f"## {title}\n")
+  end = README.find("\n## ", start + 1)
+  return README[start:end if end > 0 else None]
 
 
-PYTHON = blocks("python")
-BASH = blocks("bash")
-
-
-def test_readme_has_code_blocks_and_no_untyped_ones():
-  assert len(PYTHON) >= 4 and len(BASH) >= 3
-  untyped = [README[:m.start()].count("\n") + 1
-             for m in _FENCE.finditer(README) if not m.group(1)]
-  assert not untyped, f"code blocks without a language at lines {untyped}"
-
-
-@pytest.mark.parametrize("line, source", PYTHON,
-                         ids=[f"line{line}" for line, _ in PYTHON])
-def test_python_block_runs(line, source):
-  if re.search(r"^import torch", source, re.M):
-    pytest.importorskip("torch")
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    exec(compile(source, f"README.md:{line}", "exec"), {"__name__": "readme"})  # pylint: disable=exec-used
-
-
-def test_quick_start_trains_and_reports_metrics():
-  line, source = next(b for b in PYTHON if "train_step" in b[1])
-  namespace = {}
-  with contextlib.redirect_stdout(io.StringIO()):
-    exec(compile(source, f"README.md:{line}", "exec"), namespace)  # pylint: disable=exec-used
-  metrics = namespace["jmp_amp"].scaling_metrics(namespace["opt_state"])
-  assert int(metrics["steps"]) == 3 and int(metrics["skipped_steps"]) == 0
-  assert float(abs(namespace["params"]["w"]).sum()) > 0  # updates applied
-
-
-def test_migration_block_prints_the_backed_off_scales():
-  line, source = next(b for b in PYTHON if "torch_like" in b[1])
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    exec(compile(source, f"README.md:{line}", "exec"), {})  # pylint: disable=exec-used
-  assert out.getvalue().split() == ["32768.0", "16384.0", "32768.0"]
-
-
-def _commands(source):
+def _commands(source: str) -> list[str]:
   lines = [text.split(" #")[0].strip() for text in source.splitlines()]
   return [text for text in lines if text and not text.startswith("#")]
 
 
-def test_setup_has_two_commands_and_ci_runs_the_test_command():
-  section = README[README.index("## Set-up"):README.index("## Quick start")]
-  setup = [_commands(m.group(2)) for m in _FENCE.finditer(section)]
+def test_readme_is_short():
+  assert len(README.encode()) <= 12 * 1024, len(README.encode())
+
+
+def test_setup_has_two_commands_and_ci_runs_them_verbatim():
+  setup = [_commands(m.group(2))
+           for m in _FENCE.finditer(section("Set-up: the two commands"))]
   assert len(setup) == 2 and all(len(c) == 1 for c in setup), setup
   install, test = setup[0][0], setup[1][0]
-  assert "pip install -e '.[test]'" in install and "jmp-amp bench" in install
+  assert install == ("python3 -m venv .venv && .venv/bin/pip install -e "
+                     "'.[test]' && .venv/bin/jmp-amp bench")
   assert test == ".venv/bin/python -m pytest -n 2 -q"
-  ci = (ROOT / ".ci" / "run").read_text().splitlines()
-  assert test in [text.strip() for text in ci], "ci must run the README's test command"
-  assert any("pip install -e '.[test]'" in text for text in ci)
+  ci = [line.strip() for line in
+        (ROOT / ".ci" / "run").read_text().splitlines()]
+  assert install in ci and test in ci, "ci must run the README's commands"
 
 
-def test_extras_named_in_the_readme_exist_and_test_needs_no_torch():
+def test_extras_named_in_the_docs_exist_and_test_needs_no_torch():
   tomllib = pytest.importorskip("tomllib")
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   extras = project["optional-dependencies"]
-  for name in set(re.findall(r"jmp-amp\[(\w+)\]", README)) | {"test"}:
-    assert name in extras, name
+  docs = README + "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+  named = set(re.findall(r"(?:jmp-amp|\.)\[([\w-]+)\]", docs))
+  assert {"test", "torch", "gpu-audit"} <= named, named
+  assert named <= set(extras), named - set(extras)
   for name in ("test", "bench"):
     assert not [d for d in extras[name] if d.startswith("torch")], name
   assert not [d for d in project["dependencies"] if d.startswith("torch")]
-  assert [d for d in extras["torch"] if d.startswith("torch")]
 
 
-BENCH_LINES = [c for _, source in BASH for c in _commands(source)
-               if c.startswith("jmp-amp bench")]
+def test_install_hints_are_complete():
+  extras = section("Optional extras")
+  # torch: the CPU build, and why (plain pip fetches the CUDA build).
+  assert ("pip install torch --index-url "
+          "https://download.pytorch.org/whl/cpu") in extras
+  assert "CUDA build" in extras and "--compare-torch" in extras
+  # gpu-audit: JAX_PLATFORMS=cpu in the hint itself, and why.
+  lines = _commands(extras)
+  audit = lines.index(".venv/bin/pip install -e '.[gpu-audit]'")
+  assert lines[audit + 1].startswith("JAX_PLATFORMS=cpu "), lines
+  assert "CUDA-plugin tracebacks" in extras, "say why JAX_PLATFORMS=cpu"
 
 
-@pytest.mark.parametrize("command", BENCH_LINES)
-def test_bench_command_lines_parse(command):
-  parser = bench.build_parser()
-  args = parser.parse_args(shlex.split(command)[2:])
-  cfg = bench.config_from_args(args, parser)
-  assert cfg.steps > cfg.warmup
+def test_every_docs_page_is_linked():
+  pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+  linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", README))
+  assert pages == linked, (pages - linked, linked - pages)
+
+
+def test_task_table_lists_the_one_api_per_task():
+  table = section("Task -> the one API")
+  rows = [r for r in table.splitlines() if r.startswith("| ")][2:]
+  assert len(rows) >= 12, rows
+  for row in rows:
+    assert "`" in row.split("|")[2], f"no API named in {row!r}"
+
+
+# --------------------------------------------------------------------------
+# The policy-name table.
+
+
+def policy_table() -> list[tuple[list[str], tuple[str, str, str], str]]:
+  """(names, (params, compute, output), bench-mode cell) of each row."""
+  rows = [r for r in section("Policy names").splitlines()
+          if r.startswith("| `")]
+  table = []
+  for row in rows:
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    table.append((re.findall(r"`([^`]+)`", cells[0]), tuple(cells[1:4]),
+                  cells[4]))
+  return table
+
+
+def _dtypes(policy) -> tuple[str, str, str]:
+  return tuple(str(policy).replace("p=", "").replace("c=", "").replace(
+      "o=", "").split(","))
+
+
+def test_policy_table_matches_get_policy():
+  table = policy_table()
+  assert len(table) >= 9
+  for names, dtypes, _ in table:
+    for name in names:
+      if name == "float8":
+        continue
+      expected = dtypes
+      if name == "half":  # jmp's half: bf16 on a TPU, f16 elsewhere.
+        half = {"float16": "f16", "bfloat16": "bf16"}[
+            jmp_amp.half_dtype().dtype.name]
+        expected = (half,) * 3
+      assert _dtypes(jmp_amp.get_policy(name)) == expected, name
+
+
+def test_policy_table_names_every_bench_mode_with_its_policy():
+  seen = {}
+  for names, dtypes, cell in policy_table():
+    for mode, scaled in re.findall(
+        r"`([\w-]+)`( \+ dynamic loss scaling)?", cell):
+      seen[mode] = (names[0], dtypes, bool(scaled))
+  assert set(seen) == set(workloads.JAX_MODES), (
+      set(workloads.JAX_MODES) ^ set(seen))
+  for mode, (name, dtypes, scaled) in seen.items():
+    spec = workloads.JAX_MODES[mode]
+    runs = spec.get("policy") or spec.get("autocast")
+    assert (spec.get("scale") == "dynamic") == scaled, mode
+    if name == "float8":
+      assert runs == "float8", mode
+    else:
+      assert _dtypes(jmp_amp.get_policy(runs)) == dtypes, mode
+
+
+def test_float8_row_names_what_rules_and_autocast_accept():
+  flax_nnx = pytest.importorskip("flax.nnx")
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  from jmp_amp.models import MLP  # pylint: disable=g-import-not-at-top
+  (names, _, _), = [row for row in policy_table() if "float8" in row[0]]
+  for name in names:
+    model = MLP(8, 2, num_layers=3, width=8, rngs=flax_nnx.Rngs(0))
+    jmp_amp.flax.set_policies(model, {"*": name})
+    assert str(jmp_amp.flax.get_policies(model)["layers/1"]) == "float8"
