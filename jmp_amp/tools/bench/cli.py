@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=list(workloads.JAX_MODES), metavar="MODE",
                       help="precision mode, repeatable; one of "
                       f"{', '.join(workloads.JAX_MODES)} (default: "
-                      f"{', '.join(workloads.DEFAULT_MODES)})")
+                      f"{', '.join(workloads.DEFAULT_MODES)}). A mode is a "
+                      "recipe, not a policy string: bf16 is mixed_bfloat16 "
+                      "(float32 params), fp16 is mixed_float16 with dynamic "
+                      "loss scaling, autocast-* run jmp_amp.autocast; see "
+                      "the policy-name table in README.md")
   parser.add_argument("--lr", type=_positive_float, default=0.1)
   parser.add_argument("--init-scale", type=_loss_scale_arg, default=2.0**15,
                       help="initial dynamic loss scale (default 2**15)")
@@ -100,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also run PyTorch float32, autocast to float16 and "
                       "autocast + GradScaler from the same initial weights "
                       "on the same batches (needs torch: pip install "
-                      "'jmp-amp[torch]')")
+                      "'jmp-amp[torch]'; on a machine without a GPU, PyTorch's "
+                      "CPU build first, see README.md)")
   parser.add_argument("--isolate", choices=("auto", "yes", "no"),
                       default="auto",
                       help="run each JAX mode in a fresh process so that its "
