@@ -423,6 +423,22 @@ def test_names_in_the_prose_are_public(page):
   assert not bad, f"{page}: " + "; ".join(bad)
 
 
+_REPO_DIRS = (".ci", "benchmarks", "docs", "jmp_amp", "models", "notebooks",
+              "tests")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_files_named_in_the_prose_exist(page):
+  # Folders (`models/`) and files (`tests/test_x.py`), not names inside
+  # other trees (a checkpoint's `jmp_amp/metadata`).
+  paths = {p for p in re.findall(r"`([\w.\-*/]+)`", _FENCE.sub("", read(page)))
+           if p.split("/")[0] in _REPO_DIRS and "/" in p
+           and (p.endswith("/") or "." in p.rsplit("/", 1)[1]
+                or p.startswith(".ci/"))}
+  missing = sorted(p for p in paths if not list(ROOT.glob(p.rstrip("/"))))
+  assert not missing, f"{page} names files that do not exist: {missing}"
+
+
 def _commands(source: str) -> list[str]:
   lines = [text.split(" #")[0].strip() for text in source.splitlines()]
   return [text for text in lines if text and not text.startswith("#")]

@@ -81,6 +81,12 @@ def test_every_docs_page_is_linked():
   assert pages == linked, (pages - linked, linked - pages)
 
 
+def test_layout_names_every_notebook():
+  notebooks = {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
+  assert notebooks and notebooks <= set(
+      re.findall(r"`([\w.]+\.ipynb)`", section("Layout"))), notebooks
+
+
 def test_task_table_lists_the_one_api_per_task():
   table = section("Task -> the one API")
   rows = [r for r in table.splitlines() if r.startswith("| ")][2:]
