@@ -1,20 +1,17 @@
 """jmp_amp: automatic mixed precision for JAX, Flax and optax.
 
 A drop-in for jmp (``import jmp_amp as jmp``) plus dynamic loss scaling as an
-optax transformation, op-level autocast and a matmul-dtype audit. Flax
+optax transformation, op-level autocast and a matmul-dtype audit. FP8
+matmuls live in `jmp_amp.fp8`, the report types in `jmp_amp.tools`. Flax
 integration lives in `jmp_amp.flax`, which this module does not import.
 """
 
+from jmp_amp import fp8
+from jmp_amp._src import deprecation as _deprecation
 from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
-from jmp_amp._src.fp8 import delayed_scaling
-from jmp_amp._src.fp8 import fp8_conv_general_dilated
-from jmp_amp._src.fp8 import fp8_dot_general
-from jmp_amp._src.fp8 import fp8_einsum
-from jmp_amp._src.fp8 import FP8Recipe
-from jmp_amp._src.fp8 import FP8State
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
 from jmp_amp._src.loss_scale import NoOpLossScale
@@ -25,7 +22,7 @@ from jmp_amp._src.policy import cast_to_full
 from jmp_amp._src.policy import cast_to_half
 from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
-from jmp_amp._src.scaling import get_loss_scale
+from jmp_amp._src.scaling import get_loss_scale  # Deprecated, see below.
 from jmp_amp._src.scaling import get_scaling_state
 from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
@@ -33,45 +30,56 @@ from jmp_amp._src.scaling import scaled_value_and_grad
 from jmp_amp._src.scaling import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
+from jmp_amp import tools as _tools
 from jmp_amp.tools import gpu_report
-from jmp_amp.tools import GpuReport
 from jmp_amp.tools import matmul_report
-from jmp_amp.tools import MatmulRecord
-from jmp_amp.tools import MatmulReport
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "FP8Recipe",
-    "FP8State",
-    "AutocastRules",
-    "DEFAULT_AUTOCAST_RULES",
+    # jmp's own names.
     "DynamicLossScale",
-    "GpuReport",
     "LossScale",
-    "LossScalingState",
-    "MatmulRecord",
-    "MatmulReport",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
     "all_finite",
-    "autocast",
     "cast_to_full",
     "cast_to_half",
-    "conv_general_dilated",
-    "delayed_scaling",
-    "dot_general",
-    "fp8_conv_general_dilated",
-    "fp8_dot_general",
-    "fp8_einsum",
     "get_policy",
-    "get_scaling_state",
-    "gpu_report",
     "half_dtype",
+    "select_tree",
+    # Loss scaling as an optax transformation.
+    "LossScalingState",
+    "get_scaling_state",
     "loss_scaling",
-    "matmul_report",
     "scaled_value_and_grad",
     "scaling_metrics",
-    "select_tree",
+    # Op-level autocast and half-precision matmuls with float32 results.
+    "AutocastRules",
+    "DEFAULT_AUTOCAST_RULES",
+    "autocast",
+    "conv_general_dilated",
+    "dot_general",
+    # What the compiler makes of a program.
+    "gpu_report",
+    "matmul_report",
 )
+
+# Deprecated aliases, kept for one release (not in __all__). Classes are the
+# same objects as their replacements.
+FP8Recipe = fp8.FP8Recipe  # Use jmp_amp.fp8.FP8Recipe.
+FP8State = fp8.FP8State  # Use jmp_amp.fp8.FP8State.
+GpuReport = _tools.GpuReport  # Use jmp_amp.tools.GpuReport.
+MatmulRecord = _tools.MatmulRecord  # Use jmp_amp.tools.MatmulRecord.
+MatmulReport = _tools.MatmulReport  # Use jmp_amp.tools.MatmulReport.
+delayed_scaling = _deprecation.deprecated(
+    fp8.delayed_scaling, "jmp_amp.delayed_scaling",
+    "jmp_amp.fp8.delayed_scaling")
+fp8_conv_general_dilated = _deprecation.deprecated(
+    fp8.conv_general_dilated, "jmp_amp.fp8_conv_general_dilated",
+    "jmp_amp.fp8.conv_general_dilated")
+fp8_dot_general = _deprecation.deprecated(
+    fp8.dot_general, "jmp_amp.fp8_dot_general", "jmp_amp.fp8.dot_general")
+fp8_einsum = _deprecation.deprecated(
+    fp8.einsum, "jmp_amp.fp8_einsum", "jmp_amp.fp8.einsum")

@@ -11,8 +11,8 @@ import pytest
 
 import jmp_amp
 from jmp_amp import matmul_report
-from jmp_amp import MatmulRecord
-from jmp_amp import MatmulReport
+from jmp_amp.tools import MatmulRecord
+from jmp_amp.tools import MatmulReport
 
 BF16 = jnp.bfloat16
 DN = (((1,), (0,)), ((), ()))  # plain (M, K) x (K, N) matmul

@@ -596,14 +596,17 @@ def _fp8_model(recipe, seed=0):
   init = {"kernel_init": rh.numpy_init}
   model = nnx.Sequential(
       *[nnx.Linear(4, 4, **init, rngs=nnx.Rngs(seed + i)) for i in range(3)])
-  return jflax.set_fp8(model, recipe, keep_first_last=False)
+  return jflax.set_policies(
+      model, jflax.fp8.FP8Policy(recipe, keep_first_last=False))
 
 
 def _fp8_ops(model):
-  return list(pytest.importorskip("jmp_amp.flax").fp8_modules(model).values())
+  nnx = pytest.importorskip("flax.nnx")
+  fp8_op = pytest.importorskip("jmp_amp.flax").fp8.FP8Op
+  return [op for _, op in nnx.iter_graph(model) if isinstance(op, fp8_op)]
 
 
-DELAYED = jmp_amp.FP8Recipe(scaling="delayed", history_len=4, margin=0)
+DELAYED = jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4, margin=0)
 
 
 @pytest.fixture(scope="module")
@@ -675,8 +678,8 @@ def test_a_non_finite_fp8_amax_history_is_refused(saved_fp8, tmp_path, value):
 
 
 def test_fp8_state_in_a_plain_tree_is_checked(tmp_path):
-  good = jmp_amp.FP8State(jnp.zeros(4), jnp.array([1.0, 2.0, 0.0, 0.0]),
-                          jnp.zeros(4))
+  good = jmp_amp.fp8.FP8State(jnp.zeros(4), jnp.array([1.0, 2.0, 0.0, 0.0]),
+                              jnp.zeros(4))
   state = {"w": jnp.ones(3), "fp8": good}
   checkpoint.save(tmp_path, state, step=1)
   assert tree_bytes_equal(checkpoint.restore(tmp_path, state), state)

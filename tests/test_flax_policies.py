@@ -5,6 +5,7 @@ tests trace and lower without compiling.
 """
 
 import copy
+import functools
 import pickle
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 import jmp_amp
 import jmp_amp.flax as jf
 from jmp_amp.flax import rules as rules_lib
+from jmp_amp.flax.rules import PolicyRules
 from helpers import tree_bytes_equal
 import models
 import test_flax_models as tm
@@ -39,6 +41,11 @@ NNX_MODELS = {
     "knobless_gpt": (lambda: tm.knobless_gpt(depth=1),
                      lambda: tm.token_batch(2)),
 }
+
+
+def policy(module):
+  """The policy of one module: its own entry in `get_policies`."""
+  return jf.get_policies(module)[""]
 
 
 def nnx_forward_backward(model, x):
@@ -127,7 +134,7 @@ def test_bad_rules_raise_clear_errors(rules, error, fragment):
   assert fragment in str(info.value)
   # linen validates the same way, before running anything.
   with pytest.raises(error):
-    jf.policied_apply(tm.linen_mlp(), rules)
+    jf.apply_with_policies(tm.linen_mlp(), rules, {}, tm.mlp_batch(2)[0])
 
 
 def test_unmatched_rule_warns_naming_it_and_strict_raises():
@@ -141,17 +148,19 @@ def test_unmatched_rule_warns_naming_it_and_strict_raises():
 
 
 def test_shadowed_rule_warns_and_optional_rules_stay_quiet():
-  with pytest.warns(UserWarning, match="decided by an earlier rule"):
+  with pytest.warns(UserWarning, match=r"rule nnx.Linear -> p=f32,c=bf16,"
+                    r"o=bf16 matched no module of MLP: every module it matches "
+                    r"\(e.g. 'layers/0'\) is decided by a more specific rule"):
     jf.set_policies(tm.mlp(),
-                    {nnx.Linear: "mixed_bfloat16", "layers/2": "float32"})
+                    {nnx.Linear: "mixed_bfloat16", "layers/*": "float32"})
   # The MLP has no norms: mixed_rules' optional norm rules say nothing, also
   # after extending the rule set with |.
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     rules = jf.mixed_rules() | {"layers/2": "float32"}
-    assert isinstance(rules, jf.PolicyRules) and nnx.LayerNorm in rules.optional
+    assert isinstance(rules, PolicyRules) and nnx.LayerNorm in rules.optional
     model = jf.set_policies(tm.mlp(), rules)
-  assert str(jf.policy_of(model.layers[2])) == "p=f32,c=f32,o=f32"
+  assert str(policy(model.layers[2])) == "p=f32,c=f32,o=f32"
 
 
 # --------------------------------------------------------------------------
@@ -225,8 +234,8 @@ def test_nnx_float32_policy_matches_unpoliced_bit_for_bit(name):
 def test_path_rule_before_class_rule_wins_and_pins_dots():
   model = jf.set_policies(tm.mlp(), {"layers/2": "float32",
                                      nnx.Linear: "mixed_bfloat16"})
-  assert jf.policy_of(model.layers[2]) == jmp_amp.get_policy("float32")
-  assert jf.policy_of(model.layers[0]).compute_dtype == HALF["bfloat16"]
+  assert policy(model.layers[2]) == jmp_amp.get_policy("float32")
+  assert policy(model.layers[0]).compute_dtype == HALF["bfloat16"]
   # A batch of 3, so that only the last layer's dots have a dimension of 4.
   x = tm.mlp_batch(3)[0]
   report = jmp_amp.matmul_report(*_flat(nnx_forward_backward(model, x)))
@@ -241,16 +250,96 @@ def _flat(fn_args):
   return (fn, *args)
 
 
-def test_first_match_wins_and_star_is_the_default_wherever_it_is():
+def test_most_specific_rule_wins_and_star_is_the_default_wherever_it_is():
   model = tm.gpt(num_layers=2)
-  with pytest.warns(UserWarning, match="decided by an earlier rule"):
-    jf.set_policies(model, {"*": "mixed_float16",
-                            nnx.Linear: "mixed_bfloat16",
-                            "blocks/0/mlp/fc": "float32"})
-  policies = {p: str(v) for p, v in jf.get_policies(model).items()}
-  assert policies["blocks/0/mlp/fc"] == "p=f32,c=bf16,o=bf16"  # class first
-  assert policies["blocks/0/ln1"] == "p=f32,c=f16,o=f16"   # "*" is last resort
-  assert policies[""] == "p=f32,c=f16,o=f16"
+  rules = {"*": "mixed_float16", nnx.Linear: "mixed_bfloat16",
+           "blocks/*/mlp/fc": "bfloat16", "blocks/0/mlp/fc": "float32"}
+  for ordered in (rules, dict(reversed(rules.items()))):  # order is moot
+    jf.set_policies(model, ordered)
+    policies = {p: str(v) for p, v in jf.get_policies(model).items()}
+    assert policies["blocks/0/mlp/fc"] == "p=f32,c=f32,o=f32"  # exact path
+    assert policies["blocks/1/mlp/fc"] == "p=bf16,c=bf16,o=bf16"  # glob
+    assert policies["blocks/1/mlp/out"] == "p=f32,c=bf16,o=bf16"  # class
+    assert policies["blocks/0/ln1"] == "p=f32,c=f16,o=f16"  # "*": last resort
+    assert policies[""] == "p=f32,c=f16,o=f16"
+
+
+class WideLinear(nnx.Linear):
+  pass
+
+
+class Marked(nnx.Module):
+  """A mixin: modules of this class are matched by two unrelated classes."""
+
+
+class MarkedLayerNorm(nnx.LayerNorm, Marked):
+  pass
+
+
+def test_a_subclass_rule_outranks_its_base_class_rule():
+  model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+                         WideLinear(3, 4, rngs=nnx.Rngs(0)))
+  rules = {WideLinear: "float16", nnx.Linear: "bfloat16"}
+  for ordered in (rules, dict(reversed(rules.items()))):
+    jf.set_policies(model, ordered)
+    assert str(policy(model.layers[0])) == "p=bf16,c=bf16,o=bf16"
+    assert str(policy(model.layers[1])) == "p=f16,c=f16,o=f16"
+
+
+@pytest.mark.parametrize("rules,path,first,second", [
+    ({"blocks/*/attn": "float32", "blocks/0/*": "bfloat16"},
+     "blocks/0/attn", "'blocks/*/attn' -> p=f32,c=f32,o=f32",
+     "'blocks/0/*' -> p=bf16,c=bf16,o=bf16"),
+    ({"**/fc": "float32", "blocks/1/**": "float16"},
+     "blocks/1/mlp/fc", "'**/fc' -> p=f32,c=f32,o=f32",
+     "'blocks/1/**' -> p=f16,c=f16,o=f16"),
+    ({nnx.LayerNorm: "float32", Marked: "bfloat16"},
+     "blocks/0/ln1", "nnx.LayerNorm -> p=f32,c=f32,o=f32",
+     "test_flax_policies.Marked -> p=bf16,c=bf16,o=bf16"),
+])
+def test_two_matching_rules_of_equal_rank_raise(rules, path, first, second):
+  model = tm.gpt(num_layers=2)
+  model.blocks[0].ln1 = MarkedLayerNorm(tm.WIDTH, rngs=nnx.Rngs(0))
+  before = nnx.graphdef(model)
+  message = (f"jmp_amp.flax: module '{path}' matches two rules of equal "
+             f"rank, {first} and {second}, and neither is more specific "
+             "(an exact path outranks a glob, a glob a module class, a class "
+             "its bases).")
+  with pytest.raises(ValueError) as info:
+    jf.set_policies(model, rules | {"*": "mixed_bfloat16"})
+  assert str(info.value).startswith(message), str(info.value)
+  assert nnx.graphdef(model) == before  # raised before changing anything
+
+
+def test_linen_rules_of_equal_rank_raise_too():
+  x = tm.mlp_batch(2)[0]
+  module = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+  variables = module.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="module 'layers_0' matches two rules "
+                     "of equal rank, 'layers_\\*' -> p=f32,c=f32,o=f32 and "
+                     "'\\*_0' -> p=bf16,c=bf16,o=bf16"):
+    jf.apply_with_policies(module, {"layers_*": "float32", "*_0": "bfloat16"},
+                           variables, x)
+  # An exact path outranks both (and leaves '*_0' nothing to decide).
+  with pytest.warns(UserWarning, match="rule '\\*_0' -> p=bf16,c=bf16,o=bf16 "
+                    "matched no module of the linen model: every module it "
+                    "matches .e.g. 'layers_0'. is decided by a more specific "
+                    "rule"):
+    out = jf.apply_with_policies(
+        module, {"layers_*": "float16", "*_0": "bfloat16", "layers_0": None},
+        variables, x)
+  assert out.dtype == HALF["float16"]
+
+
+def test_get_policies_of_one_module_is_under_the_root_path():
+  model = jf.set_policies(tm.mlp(), {"layers/1": "float16",
+                                     "*": "mixed_bfloat16"})
+  layer = model.layers[1]
+  assert jf.get_policies(layer) == {"": jmp_amp.get_policy("float16")}
+  assert jf.get_policies(model)["layers/1"] is jf.get_policies(layer)[""]
+  with pytest.raises(TypeError, match="get_policies expects an nnx.Module, "
+                     "got dict"):
+    jf.get_policies({"layer": layer})
 
 
 def test_container_rules_are_inherited_unless_a_rule_matches():
@@ -293,7 +382,7 @@ def test_root_rule_sets_the_model_output_and_is_not_inherited():
 def test_none_leaves_a_module_untouched():
   model = jf.set_policies(tm.mlp(), {"layers/2": None, "*": "mixed_bfloat16"})
   last = model.layers[2]
-  assert jf.policy_of(last) is None and type(last) is nnx.Linear
+  assert policy(last) is None and type(last) is nnx.Linear
   assert last.dot_general is jax.lax.dot_general
   # Unpoliced, it promotes bf16 inputs to its float32 params.
   assert last(jnp.ones((2, tm.MLP_WIDTH), jnp.bfloat16)).dtype == F32
@@ -411,7 +500,7 @@ def test_nnx_graph_operations_keep_policies():
             pickle.loads(pickle.dumps(model))]
   for other in copies:
     assert isinstance(other.layers[2], nnx.Linear)
-    assert jf.policy_of(other.layers[2]) == jf.policy_of(model.layers[2])
+    assert policy(other.layers[2]) == policy(model.layers[2])
     np.testing.assert_array_equal(other(x), expected)
   out = nnx.jit(lambda m, x: m(x))(model, x)
   assert out.dtype == HALF["bfloat16"]
@@ -426,7 +515,7 @@ def test_set_policies_again_replaces_and_clear_restores():
   assert model(x).dtype == HALF["float16"]
   jf.set_policies(model, {"layers/2": "float32"})  # others: no rule any more
   first = model.layers[0]
-  assert jf.policy_of(first) is None and type(first) is nnx.Linear
+  assert policy(first) is None and type(first) is nnx.Linear
   assert first.dot_general is jax.lax.dot_general
   jf.clear_policies(model)
   assert all(p is None for p in jf.get_policies(model).values())
@@ -510,7 +599,7 @@ def test_linen_policies_stay_inside_their_apply():
   x = tm.mlp_batch(2)[0]
   module = tm.linen_mlp()
   variables = tm.linen_init(module, x)
-  apply16 = jf.policied_apply(module, "mixed_float16")
+  apply16 = functools.partial(jf.apply_with_policies, module, "mixed_float16")
   assert apply16(variables, x).dtype == HALF["float16"]
   assert module.apply(variables, x).dtype == F32
   variables16 = jf.init_with_policies(module, "float16", jax.random.key(0), x)
@@ -524,7 +613,7 @@ def test_linen_and_nnx_mlp_give_the_same_loss_under_a_policy():
   # The last layer is layers/2 in NNX and layers_2 in linen: one rule each,
   # optional, so that neither warns in the model that lacks its path.
   head = "float32"
-  rules = jf.PolicyRules({"layers/2": head, "layers_2": head},
+  rules = PolicyRules({"layers/2": head, "layers_2": head},
                          optional=["layers/2", "layers_2"]) | jf.mixed_rules()
   with warnings.catch_warnings():
     warnings.simplefilter("error")

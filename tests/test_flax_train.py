@@ -1,5 +1,7 @@
 """Tests for jmp_amp.flax.train: mixed-precision train steps, NNX and linen."""
 
+import functools
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ import pytest
 
 import jmp_amp
 import jmp_amp.flax as jf
+from jmp_amp.flax.train import TrainState
 from helpers import pure, tree_bytes_equal
 import models
 import test_flax_models as tm
@@ -187,9 +190,10 @@ def test_linen_mlp_trains_like_the_nnx_mlp():
   optimizer = nnx.Optimizer(nnx_model, TX_F16, wrt=nnx.Param)
   nnx_step = NNX_STEP
 
-  state = jf.TrainState.create(
-      apply_fn=jf.policied_apply(tm.linen_mlp(), rules), params=params,
-      tx=scaled_adam())
+  state = TrainState.create(
+      apply_fn=functools.partial(jf.apply_with_policies, tm.linen_mlp(),
+                                 rules),
+      params=params, tx=scaled_adam())
   linen_step = jf.make_linen_train_step(model_loss,
                                         compiler_options=FAST_COMPILE)
 
@@ -211,9 +215,10 @@ def test_linen_resnet_trains_and_skipped_steps_keep_batch_stats():
   x, y = tm.image_batch()
   variables = tm.linen_init(module, x)
   initial_stats = host(variables["batch_stats"])
-  state = jf.TrainState.create(
-      apply_fn=jf.policied_apply(module, rules), params=variables["params"],
-      tx=scaled_adam(), batch_stats=variables["batch_stats"])
+  state = TrainState.create(
+      apply_fn=functools.partial(jf.apply_with_policies, module, rules),
+      params=variables["params"], tx=scaled_adam(),
+      batch_stats=variables["batch_stats"])
   step = jf.make_linen_train_step(model_loss, compiler_options=FAST_COMPILE)
 
   losses = []
@@ -239,8 +244,8 @@ def test_linen_step_without_mutable_collections_and_with_autocast():
   module = tm.linen_mlp()
   x, y = tm.mlp_batch()
   params = tm.linen_init(module, x)["params"]
-  state = jf.TrainState.create(apply_fn=module.apply, params=params,
-                               tx=scaled_adam())
+  state = TrainState.create(apply_fn=module.apply, params=params,
+                            tx=scaled_adam())
   step = jf.make_linen_train_step(model_loss, autocast="bfloat16",
                                   donate=False, compiler_options=FAST_COMPILE)
   report = jmp_amp.matmul_report(step, state, (x, y))

@@ -83,8 +83,8 @@ def test_all_zero_tensor_gives_zeros_and_no_nan(dtype):
   np.testing.assert_array_equal(fp8.dequantize(q, scale, jnp.float32), zeros)
 
   def loss(a, b):
-    return fp8.fp8_dot_general(a, b, MATMUL).astype(jnp.float32).sum()
-  out = fp8.fp8_dot_general(zeros, jnp.zeros((3, 2)), MATMUL)
+    return jmp_amp.fp8.dot_general(a, b, MATMUL).astype(jnp.float32).sum()
+  out = jmp_amp.fp8.dot_general(zeros, jnp.zeros((3, 2)), MATMUL)
   grads = jax.grad(loss, argnums=(0, 1))(zeros, jnp.zeros((3, 2)))
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
   for g in grads:
@@ -159,7 +159,7 @@ def test_histories_arrive_as_gradients():
                          jnp.array([5.0, 4.0]))
 
     def loss(state):
-      y = fp8.fp8_dot_general(x, w, MATMUL, state=state, recipe=recipe)
+      y = jmp_amp.fp8.dot_general(x, w, MATMUL, state=state, recipe=recipe)
       return 3.0 * y.astype(jnp.float32).sum()
     new = jax.grad(loss)(state)
     np.testing.assert_array_equal(new.lhs, [2.0, 9.0])
@@ -167,7 +167,7 @@ def test_histories_arrive_as_gradients():
     np.testing.assert_array_equal(new.grad, [3.0, 5.0])  # amax of d(3 sum y)
 
 
-def test_fp8_dot_general_matches_hand_rounded_reference():
+def test_dot_general_matches_hand_rounded_reference():
   """Forward: E4M3 operands; backward: E5M2 output gradient, straight-through."""
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
@@ -179,7 +179,8 @@ def test_fp8_dot_general_matches_hand_rounded_reference():
     return fp8.dequantize(fp8.quantize(a, dtype, s), s, jnp.float32)
 
   y, vjp = jax.vjp(
-      lambda a, b: fp8.fp8_dot_general(a, b, MATMUL, recipe=F32_RECIPE), x, w)
+      lambda a, b: jmp_amp.fp8.dot_general(a, b, MATMUL, recipe=F32_RECIPE),
+      x, w)
   xq, wq, gq = rounded(x, E4M3), rounded(w, E4M3), rounded(g, E5M2)
   np.testing.assert_allclose(y, xq @ wq, rtol=1e-5, atol=1e-5)
   dx, dw = vjp(g)
@@ -193,12 +194,12 @@ def test_fp8_dot_general_matches_hand_rounded_reference():
 
 def test_default_output_is_bf16_and_backward_is_rounded_through_e5m2():
   x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
-  y = fp8.fp8_dot_general(x, w, MATMUL)
+  y = jmp_amp.fp8.dot_general(x, w, MATMUL)
   assert y.dtype == jnp.bfloat16
-  assert fp8.fp8_dot_general(
+  assert jmp_amp.fp8.dot_general(
       x, w, MATMUL, preferred_element_type=jnp.float32).dtype == jnp.float32
   jaxpr = str(jax.make_jaxpr(jax.grad(
-      lambda a, b: fp8.fp8_dot_general(a, b, MATMUL).astype(
+      lambda a, b: jmp_amp.fp8.dot_general(a, b, MATMUL).astype(
           jnp.float32).sum(), argnums=(0, 1)))(x, w))
   assert "f8_e4m3fn" in jaxpr and "f8_e5m2" in jaxpr
 
@@ -208,7 +209,7 @@ def test_overflowing_gradient_stays_nonfinite_and_spares_history():
   x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
   state = fp8.FP8State(*(jnp.array([1.0, 2.0]),) * 3)
   recipe = fp8.delayed_scaling(history_len=2)
-  _, vjp = jax.vjp(lambda a, b, s: fp8.fp8_dot_general(
+  _, vjp = jax.vjp(lambda a, b, s: jmp_amp.fp8.dot_general(
       a, b, MATMUL, state=s, recipe=recipe), x, w, state)
   g = jnp.array([[1.0, jnp.inf], [1.0, 1.0]], jnp.bfloat16)
   dx, dw, new_state = vjp(g)
@@ -231,14 +232,15 @@ def test_autocast_entry_point_takes_equation_params():
 
 def test_bad_arguments_raise_clear_errors():
   with pytest.raises(ValueError, match="delayed scaling needs state="):
-    fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
+    jmp_amp.fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
                         recipe=fp8.delayed_scaling())
   with pytest.raises(ValueError, match=r"state.lhs must have shape \(4,\)"):
-    fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
+    jmp_amp.fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
                         state=fp8.init_state(fp8.FP8Recipe()),
                         recipe=fp8.delayed_scaling(history_len=4))
   with pytest.raises(TypeError, match="floating operands.*int32"):
-    fp8.fp8_dot_general(jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2)), MATMUL)
+    jmp_amp.fp8.dot_general(jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2)),
+                            MATMUL)
   with pytest.raises(ValueError, match="scaling must be one of"):
     fp8.FP8Recipe(scaling="just-in-time")
   with pytest.raises(ValueError, match="history_len must be an int >= 1, got 0"):
@@ -266,66 +268,90 @@ def _gpt(**kw):
       rngs=nnx.Rngs(0), **kw))
 
 
-def test_default_excludes_first_and_last_layers():
-  assert sorted(flax_fp8.fp8_modules(flax_fp8.set_fp8(_mlp()))) == [
+def _fp8_paths(model):
+  return sorted(flax_fp8.histories(model))
+
+
+def test_default_keeps_first_and_last_layers_out():
+  set_policies = jmp_amp.flax.set_policies
+  assert _fp8_paths(set_policies(_mlp(), {"*": "float8"})) == [
       "layers/1", "layers/2"]
   # Path order: blocks/0/attn/proj sorts first, blocks/1/mlp/out last;
   # embeddings, norms and the tied head are never FP8.
-  assert sorted(flax_fp8.fp8_modules(flax_fp8.set_fp8(_gpt()))) == [
+  assert _fp8_paths(set_policies(_gpt(), {"*": "float8"})) == [
       "blocks/0/attn/qkv", "blocks/0/mlp/fc", "blocks/0/mlp/out",
       "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc"]
   # Call order (one abstract call): blocks/0/attn/qkv is the first matmul.
   tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-  gpt = flax_fp8.set_fp8(_gpt(), example_args=(tokens,))
-  assert sorted(flax_fp8.fp8_modules(gpt)) == [
+  gpt = set_policies(_gpt(), {"*": "float8"}, example_args=(tokens,))
+  assert _fp8_paths(gpt) == [
       "blocks/0/attn/proj", "blocks/0/mlp/fc", "blocks/0/mlp/out",
       "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc"]
   # The probe left the knobs as they were: a second call gives the same.
-  flax_fp8.set_fp8(gpt, example_args=(tokens,))
-  assert len(flax_fp8.fp8_modules(gpt)) == 6
+  set_policies(gpt, {"*": "float8"}, example_args=(tokens,))
+  assert len(flax_fp8.histories(gpt)) == 6
   assert gpt.blocks[0].attn.qkv.dot_general is jax.lax.dot_general
   mlp = _mlp(num_layers=12)  # layers/10 sorts after layers/9
-  assert sorted(flax_fp8.fp8_modules(flax_fp8.set_fp8(mlp)), key=len) == [
+  assert sorted(flax_fp8.histories(set_policies(mlp, "float8")), key=len) == [
       f"layers/{i}" for i in range(1, 11)]
-  untied = flax_fp8.set_fp8(_gpt(tie_embeddings=False))
-  assert "head" not in flax_fp8.fp8_modules(untied)
-  assert "blocks/1/mlp/out" in flax_fp8.fp8_modules(untied)
-  everything = flax_fp8.set_fp8(_gpt(), keep_first_last=False)
-  assert len(flax_fp8.fp8_modules(everything)) == 8
+  untied = set_policies(_gpt(tie_embeddings=False), "float8")
+  assert "head" not in flax_fp8.histories(untied)
+  assert "blocks/1/mlp/out" in flax_fp8.histories(untied)
+  everything = set_policies(_gpt(), flax_fp8.FP8Policy(keep_first_last=False))
+  assert len(flax_fp8.histories(everything)) == 8
 
 
-def test_include_exclude_and_reapply():
-  model = _gpt()
-  flax_fp8.set_fp8(model, include=["blocks/*/mlp/*"], exclude=["*/out"])
-  assert sorted(flax_fp8.fp8_modules(model)) == [
-      "blocks/0/mlp/fc", "blocks/1/mlp/fc"]
-  # Applying again replaces the previous set-up.
-  flax_fp8.set_fp8(model, include=[nnx.Linear], exclude=["blocks/0/*"])
-  assert sorted(flax_fp8.fp8_modules(model)) == [
-      "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc",
-      "blocks/1/mlp/out"]
-  assert model.blocks[0].mlp.fc.dot_general is jax.lax.dot_general
-  assert model.blocks[0].mlp.fc.dtype is None
+@pytest.mark.parametrize("build,rules,why", [
+    # Two Linear layers: the first and the last, which FP8 keeps in bf16.
+    (lambda: _mlp(num_layers=2), {"*": "float8"},
+     r"the only matmul modules the FP8 rules decide \('layers/0', "
+     r"'layers/1'\) are the model's first and last, which FP8 keeps in "
+     r"bfloat16 \(keep_first_last\); to convert them too, give them the rule "
+     r"value jmp_amp.flax.fp8.FP8Policy\(keep_first_last=False\)"),
+    (lambda: _mlp(num_layers=4), {"layers/0": "float8", "layers/3": "float8"},
+     r"the only matmul modules the FP8 rules decide \('layers/0', "
+     r"'layers/3'\) are the model's first and last"),
+    # No Linear, Einsum or Conv at all.
+    (lambda: nnx.Sequential(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), nnx.relu),
+     {"*": "float8"},
+     r"it has no module with a matmul knob \(nnx.Linear, "
+     r"nnx.LinearGeneral, nnx.Einsum, nnx.Conv\)"),
+    # Other rules decide every matmul module.
+    (_mlp, {nnx.Linear: "bfloat16", "*": "float8"},
+     r"the FP8 rules decide none of its matmul modules \(other rules "
+     r"decide them\)"),
+])
+def test_fp8_rules_that_convert_nothing_warn_why(build, rules, why):
+  model = build()
+  with pytest.warns(UserWarning, match=r"jmp_amp.flax: FP8 converted no "
+                    rf"layer of \w+: {why}") as record:
+    jmp_amp.flax.set_policies(model, rules)
+  assert record[0].filename == __file__  # points at the caller
+  assert flax_fp8.histories(model) == {}
 
 
 def test_fp8_module_knobs_state_and_clear():
-  model = flax_fp8.set_fp8(_mlp(), fp8.delayed_scaling(history_len=5))
+  rules = {"layers/3": "float32", "*": fp8.delayed_scaling(history_len=5)}
+  model = jmp_amp.flax.set_policies(_mlp(), rules)
   layer = model.layers[1]
+  assert isinstance(layer.dot_general, flax_fp8.FP8Op)
   assert isinstance(layer.dot_general, flax_fp8.FP8DotGeneral)
   assert layer.dtype == jnp.bfloat16
   assert layer.kernel[...].dtype == jnp.float32  # master weights
+  policy = jmp_amp.flax.get_policies(layer)[""]
+  assert policy == flax_fp8.FP8Policy(fp8.delayed_scaling(history_len=5))
   meta = nnx.state(model, flax_fp8.FP8Meta)
   assert jax.tree_util.tree_map(jnp.shape, nnx.to_pure_dict(meta)) == {
       "layers": {i: {"dot_general": {f"{t}_amax_history": (5,)
                                      for t in ("lhs", "rhs", "grad")}}
                  for i in (1, 2)}}
-  assert model(jnp.ones((2, 8))).dtype == jnp.float32  # last layer not FP8
+  assert model(jnp.ones((2, 8))).dtype == jnp.float32  # the float32 head
   # split/merge, clone and deepcopy keep the FP8 set-up.
   for copied in (nnx.merge(*nnx.split(model)), nnx.clone(model),
                  copy.deepcopy(model)):
-    assert sorted(flax_fp8.fp8_modules(copied)) == ["layers/1", "layers/2"]
-  flax_fp8.clear_fp8(model)
-  assert flax_fp8.fp8_modules(model) == {}
+    assert _fp8_paths(copied) == ["layers/1", "layers/2"]
+  jmp_amp.flax.clear_policies(model)
+  assert flax_fp8.histories(model) == {}
   assert layer.dot_general is jax.lax.dot_general and layer.dtype is None
   # Back to the plain model: same graph definition and state tree.
   assert nnx.graphdef(model) == nnx.graphdef(_mlp())
@@ -342,13 +368,11 @@ def test_unsupported_module_raises(module, name):
   message = (rf"FP8 cannot handle module '<root>' of type {name}: FP8 "
              rf"converts modules with a matmul knob \('dot_general', "
              rf"'einsum_op', 'conv_general_dilated'")
-  with pytest.raises(ValueError, match=message):
-    flax_fp8.set_fp8(module, include=["*"])
   for rules in ({type(module): "float8"}, {"": "fp8"}):
     with pytest.raises(ValueError, match=message):
       jmp_amp.flax.set_policies(module, rules)
   # Nothing was changed before the error.
-  assert jmp_amp.flax.policy_of(module) is None
+  assert jmp_amp.flax.get_policies(module) == {"": None}
 
 
 def test_fp8_rules_name_embeddings_and_norms_only_to_raise():
@@ -361,19 +385,84 @@ def test_fp8_rules_name_embeddings_and_norms_only_to_raise():
     jmp_amp.flax.set_policies(gpt, {nnx.LayerNorm: "float8"})
   # Inherited or by default, they follow the rule's bfloat16 policy.
   jmp_amp.flax.set_policies(gpt, {"blocks/0": "float8", "*": "float32"})
-  assert str(jmp_amp.flax.policy_of(gpt.blocks[0].ln1)) == "p=f32,c=bf16,o=bf16"
+  policies = jmp_amp.flax.get_policies(gpt)
+  assert str(policies["blocks/0/ln1"]) == "p=f32,c=bf16,o=bf16"
   assert gpt.blocks[0].ln1.dtype == jnp.bfloat16
-  assert sorted(flax_fp8.fp8_modules(gpt)) == [
+  assert _fp8_paths(gpt) == [
       "blocks/0/attn/qkv", "blocks/0/mlp/fc", "blocks/0/mlp/out"]
   # linen has no FP8 modules: a clear error instead of a silent bf16.
   with pytest.raises(ValueError, match="asks for FP8 .'float8'., which "
                      "jmp_amp.flax applies to NNX models only"):
-    jmp_amp.flax.policied_apply(flax.linen.Dense(2), {"*": "float8"})
+    jmp_amp.flax.apply_with_policies(flax.linen.Dense(2), {"*": "float8"},
+                                     {}, jnp.ones((1, 3)))
   with pytest.raises(ValueError, match="Rules also accept 'float8'"):
     jmp_amp.flax.set_policies(gpt, {"*": "float9"})
 
 
-def test_bad_selectors_raise():
+# --------------------------------------------------------------------------
+# FP8 through set_policies rules.
+
+
+@pytest.mark.parametrize("build,example", [
+    (_mlp, None),
+    (_gpt, None),
+    (_gpt, (jax.ShapeDtypeStruct((2, 8), jnp.int32),)),
+])
+@pytest.mark.parametrize("recipe", [None, fp8.delayed_scaling(history_len=3)])
+def test_rules_and_deprecated_set_fp8_convert_the_same_modules(build, example,
+                                                               recipe):
+  rules = jmp_amp.flax.mixed_rules() | {"*": recipe or "float8"}
+  by_rules = jmp_amp.flax.set_policies(build(), rules, example_args=example)
+  with pytest.warns(DeprecationWarning, match="set_fp8 is deprecated"):
+    by_fp8 = flax_fp8.set_fp8(build(), recipe, example_args=example)
+  paths = _fp8_paths(by_rules)
+  assert paths == _fp8_paths(by_fp8)
+  assert len(paths) in (2, 6)
+  # The same FP8 state (paths, shapes): checkpoints are interchangeable.
+  shapes = lambda m: jax.tree_util.tree_map(
+      jnp.shape, nnx.to_pure_dict(nnx.state(m, flax_fp8.FP8Meta)))
+  assert shapes(by_rules) == shapes(by_fp8)
+  for path, policy in jmp_amp.flax.get_policies(by_rules).items():
+    if path in paths:
+      assert policy == flax_fp8.FP8Policy(recipe), path
+    elif policy is not None:
+      assert isinstance(policy, jmp_amp.Policy), (path, policy)
+  # set_fp8 leaves the other modules as they are.
+  policies = jmp_amp.flax.get_policies(by_fp8)
+  assert {p for p, pol in policies.items() if pol is not None} == set(paths)
+
+
+def test_deprecated_set_fp8_selects_in_the_rules_glob_dialect():
+  model = _gpt()
+  with pytest.warns(DeprecationWarning):
+    flax_fp8.set_fp8(model, include=["blocks/*/mlp/*"], exclude=["**/out"])
+  assert _fp8_paths(model) == ["blocks/0/mlp/fc", "blocks/1/mlp/fc"]
+  # `*` stays within a segment: "*/out" names no module of the GPT.
+  with pytest.warns(DeprecationWarning), pytest.raises(
+      ValueError, match=r"exclude selector '\*/out' matches no module"):
+    flax_fp8.set_fp8(model, include=["blocks/*/mlp/*"], exclude=["*/out"])
+  # Applying again replaces the previous set-up.
+  with pytest.warns(DeprecationWarning):
+    flax_fp8.set_fp8(model, include=[nnx.Linear], exclude=["blocks/0/**"])
+  assert _fp8_paths(model) == [
+      "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc",
+      "blocks/1/mlp/out"]
+  assert model.blocks[0].mlp.fc.dot_general is jax.lax.dot_general
+  assert model.blocks[0].mlp.fc.dtype is None
+  # clear_fp8 is clear_policies.
+  with pytest.warns(DeprecationWarning,
+                    match="instead use jmp_amp.flax.clear_policies"):
+    flax_fp8.clear_fp8(model)
+  assert nnx.graphdef(model) == nnx.graphdef(_gpt())
+  # A model it converts nothing of warns, saying why.
+  with pytest.warns(DeprecationWarning), pytest.warns(
+      UserWarning, match="FP8 converted no layer of MLP: its only matmul "
+      "modules are its first and last"):
+    flax_fp8.set_fp8(_mlp(num_layers=2))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_deprecated_set_fp8_bad_selectors_raise():
   with pytest.raises(ValueError, match="include selector 'encoder/\\*' "
                      "matches no module"):
     flax_fp8.set_fp8(_mlp(), include=["encoder/*"])
@@ -387,36 +476,9 @@ def test_bad_selectors_raise():
   with pytest.raises(ValueError, match="FP8 cannot handle module 'embed' of "
                      "type Embed"):
     flax_fp8.set_fp8(gpt, include=["embed", "blocks/0/mlp/fc"])
-
-
-# --------------------------------------------------------------------------
-# FP8 through set_policies rules.
-
-
-@pytest.mark.parametrize("build,example", [
-    (_mlp, None),
-    (_gpt, None),
-    (_gpt, (jax.ShapeDtypeStruct((2, 8), jnp.int32),)),
-])
-@pytest.mark.parametrize("recipe", [None, fp8.delayed_scaling(history_len=3)])
-def test_rules_convert_the_same_modules_as_set_fp8(build, example, recipe):
-  by_fp8 = flax_fp8.set_fp8(build(), recipe, example_args=example)
-  by_rules = jmp_amp.flax.set_policies(
-      build(), jmp_amp.flax.fp8_rules(recipe), example_args=example)
-  ops = flax_fp8.fp8_modules(by_rules)
-  assert sorted(ops) == sorted(flax_fp8.fp8_modules(by_fp8))
-  assert len(ops) in (2, 6)
-  assert {op.recipe for op in ops.values()} == {
-      flax_fp8._recipe(recipe)}
-  # The same FP8 state (paths, shapes): checkpoints are interchangeable.
-  shapes = lambda m: jax.tree_util.tree_map(
-      jnp.shape, nnx.to_pure_dict(nnx.state(m, flax_fp8.FP8Meta)))
-  assert shapes(by_rules) == shapes(by_fp8)
-  for path, policy in jmp_amp.flax.get_policies(by_rules).items():
-    if path in ops:
-      assert isinstance(policy, flax_fp8.FP8Policy)
-    elif policy is not None:
-      assert isinstance(policy, jmp_amp.Policy), (path, policy)
+  with pytest.raises(ValueError, match="FP8 cannot handle module '<root>' of "
+                     "type Embed"):
+    flax_fp8.set_fp8(nnx.Embed(8, 4, rngs=nnx.Rngs(0)), include=["*"])
 
 
 def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
@@ -427,24 +489,24 @@ def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
            "*": "mixed_bfloat16"}
   jmp_amp.flax.set_policies(model, rules)
   # blocks/1/mlp/out is the model's last matmul module: kept bf16.
-  assert sorted(flax_fp8.fp8_modules(model)) == [
+  assert _fp8_paths(model) == [
       "blocks/0/mlp/fc", "blocks/0/mlp/out", "blocks/1/mlp/fc"]
   attn = model.blocks[0].attn.qkv
   assert attn.dtype == jnp.bfloat16 and attn.dot_general is jax.lax.dot_general
   assert model.blocks[0].ln1.dtype == jnp.float32
-  assert str(jmp_amp.flax.policy_of(model.blocks[0].mlp.fc)) == "float8"
+  assert str(jmp_amp.flax.get_policies(model)["blocks/0/mlp/fc"]) == "float8"
   tokens = jnp.asarray(models.data.token_batch(2, seq_len=8, vocab=32))
   logits = model(tokens)
   assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
   # Applying other rules replaces the FP8 set-up; clearing restores all.
   jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules())
-  assert flax_fp8.fp8_modules(model) == {}
+  assert flax_fp8.histories(model) == {}
   assert model.blocks[0].mlp.fc.dot_general is jax.lax.dot_general
   assert model.blocks[0].mlp.fc.dtype == jnp.bfloat16
   jmp_amp.flax.set_policies(model, {"*": "float8"})
-  assert len(flax_fp8.fp8_modules(model)) == 6
+  assert len(flax_fp8.histories(model)) == 6
   jmp_amp.flax.clear_policies(model)
-  assert flax_fp8.fp8_modules(model) == {}
+  assert flax_fp8.histories(model) == {}
   assert nnx.graphdef(model) == fresh
 
 
@@ -456,9 +518,9 @@ def test_fp8_policy_spellings_and_bad_values():
   assert str(policy.policy) == "p=bf16,c=bf16,o=bf16"
   for value in ("float8", "FP8", fp8.FP8Recipe(), flax_fp8.FP8Policy()):
     model = jmp_amp.flax.set_policies(_mlp(), {"*": value})
-    assert sorted(flax_fp8.fp8_modules(model)) == ["layers/1", "layers/2"]
+    assert _fp8_paths(model) == ["layers/1", "layers/2"]
   model = jmp_amp.flax.set_policies(_mlp(), policy)
-  assert len(flax_fp8.fp8_modules(model)) == 4
+  assert len(flax_fp8.histories(model)) == 4
   assert model.layers[0].kernel[...].dtype == jnp.bfloat16
   with pytest.raises(TypeError, match="recipe must be an FP8Recipe"):
     flax_fp8.FP8Policy("sometimes")
@@ -484,21 +546,18 @@ def _rounded(x):
                         rngs=nnx.Rngs(0)), (2, 3, 8)),
     (lambda: nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)), (2, 6, 6, 3)),
 ])
-@pytest.mark.parametrize("how", ["set_fp8", "rules"])
-def test_einsum_and_conv_run_in_fp8(make, x_shape, how):
+def test_einsum_and_conv_run_in_fp8(make, x_shape):
   x = jnp.asarray(np.random.default_rng(0).standard_normal(x_shape),
                   jnp.float32)
   ref_module = make()
   module = make()
   recipe = fp8.delayed_scaling(history_len=2)
-  if how == "set_fp8":
-    flax_fp8.set_fp8(module, recipe, include=["*"])
-  else:
-    jmp_amp.flax.set_policies(module, flax_fp8.FP8Policy(
-        recipe, keep_first_last=False))
-  (op,) = flax_fp8.fp8_modules(module).values()
+  jmp_amp.flax.set_policies(module, flax_fp8.FP8Policy(
+      recipe, keep_first_last=False))
+  knob = {nnx.Einsum: "einsum_op", nnx.Conv: "conv_general_dilated"}
+  op = getattr(module, knob[type(module)])
   assert type(op) is {nnx.Einsum: flax_fp8.FP8Einsum,
-                      nnx.Conv: flax_fp8.FP8ConvGeneralDilated}[type(make())]
+                      nnx.Conv: flax_fp8.FP8ConvGeneralDilated}[type(module)]
   y = module(x)
   assert y.dtype == jnp.bfloat16
   # Against float32 on the same E4M3-rounded input and kernel, plus the
@@ -509,7 +568,7 @@ def test_einsum_and_conv_run_in_fp8(make, x_shape, how):
   np.testing.assert_allclose(np.asarray(y, np.float32), expected,
                              rtol=2**-7, atol=2**-7 * np.abs(expected).max())
   # Forward and backward matmuls on FP8 operands; the histories update.
-  grad_fn = flax_fp8.fp8_value_and_grad(
+  grad_fn = flax_fp8.value_and_grad(
       lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2))
   graphdef, state = nnx.split(module)
   sigs = _f8_signatures(
@@ -533,7 +592,7 @@ def test_einsum_and_conv_run_in_fp8(make, x_shape, how):
 def _make_step():
   @nnx.jit
   def step(model, opt, x, y):
-    grad_fn = flax_fp8.fp8_value_and_grad(
+    grad_fn = flax_fp8.value_and_grad(
         lambda m: models.mse_loss(m(x), y))
     loss, grads = grad_fn(model)
     opt.update(model, grads)
@@ -548,15 +607,15 @@ def _regression(n=6):
 
 
 def test_delayed_scaling_state_updates_in_jitted_step():
-  model = flax_fp8.set_fp8(_mlp(), fp8.delayed_scaling(history_len=3),
-                           keep_first_last=False)
+  model = jmp_amp.flax.set_policies(_mlp(), flax_fp8.FP8Policy(
+      fp8.delayed_scaling(history_len=3), keep_first_last=False))
   opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   step = _make_step()
   data = _regression(4)
   for x, y in data:
     loss = step(model, opt, x, y)
   assert np.isfinite(float(loss))
-  h = flax_fp8.fp8_histories(model)["layers/0"]
+  h = flax_fp8.histories(model)["layers/0"]
   # The first layer's input history holds the last three batches' amaxes.
   np.testing.assert_array_equal(
       h.lhs, [np.abs(x.astype(jnp.bfloat16)).max() for x, _ in data[::-1][:3]])
@@ -565,18 +624,14 @@ def test_delayed_scaling_state_updates_in_jitted_step():
   assert not nnx.state(opt, flax_fp8.FP8Meta)
 
 
-@pytest.mark.parametrize("how", ["set_fp8", "rules"])
-def test_checkpoint_resume_is_bitwise(tmp_path, how):
+def test_checkpoint_resume_is_bitwise(tmp_path):
   checkpoint = pytest.importorskip("jmp_amp.checkpoint")
   recipe = fp8.delayed_scaling(history_len=4)
 
   def fresh():
-    if how == "set_fp8":
-      model = flax_fp8.set_fp8(_mlp(), recipe, keep_first_last=False)
-    else:
-      model = jmp_amp.flax.set_policies(_mlp(), jmp_amp.flax.fp8_rules(
-          recipe, keep_first_last=False))
-    assert len(flax_fp8.fp8_modules(model)) == 4
+    model = jmp_amp.flax.set_policies(_mlp(), jmp_amp.flax.mixed_rules() | {
+        "*": flax_fp8.FP8Policy(recipe, keep_first_last=False)})
+    assert len(flax_fp8.histories(model)) == 4
     return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
   step = _make_step()
@@ -597,7 +652,7 @@ def test_checkpoint_resume_is_bitwise(tmp_path, how):
   jax.tree_util.tree_map(np.testing.assert_array_equal,
                          nnx.to_pure_dict(nnx.state(model)),
                          nnx.to_pure_dict(nnx.state(model2)))
-  assert float(jnp.max(flax_fp8.fp8_histories(model2)["layers/3"].grad)) > 0
+  assert float(jnp.max(flax_fp8.histories(model2)["layers/3"].grad)) > 0
 
 
 def _train_scan(model, loss_fn, batches, lr):
@@ -610,7 +665,7 @@ def _train_scan(model, loss_fn, batches, lr):
   def train(state, batches):
     def body(state, batch):
       model, opt = nnx.merge(graphdef, state)
-      loss, grads = flax_fp8.fp8_value_and_grad(
+      loss, grads = flax_fp8.value_and_grad(
           lambda m: loss_fn(m, batch))(model)
       opt.update(model, grads)
       return nnx.state((model, opt)), loss
@@ -640,14 +695,14 @@ def _train_digits(setup, steps=300):
 
 def test_fp8_digits_within_two_points_of_float32():
   acc32, _ = _train_digits(lambda m: m)
-  all_fp8 = lambda m: flax_fp8.set_fp8(m, keep_first_last=False)
-  acc_cur, model = _train_digits(all_fp8)
-  acc_del, _ = _train_digits(lambda m: flax_fp8.set_fp8(
-      m, fp8.delayed_scaling(history_len=16), keep_first_last=False))
+  all_fp8 = lambda recipe: lambda m: jmp_amp.flax.set_policies(
+      m, flax_fp8.FP8Policy(recipe, keep_first_last=False))
+  acc_cur, model = _train_digits(all_fp8(None))
+  acc_del, _ = _train_digits(all_fp8(fp8.delayed_scaling(history_len=16)))
   assert acc32 > 0.95, acc32
   assert abs(acc_cur - acc32) <= 0.02, (acc32, acc_cur)
   assert abs(acc_del - acc32) <= 0.02, (acc32, acc_del)
-  assert len(flax_fp8.fp8_modules(model)) == 3
+  assert len(flax_fp8.histories(model)) == 3
   assert bool(jmp_amp.all_finite(nnx.state(model, nnx.Param)))
 
 
@@ -666,17 +721,19 @@ def test_fp8_gpt_final_loss_within_3_percent_of_bf16():
   # bf16 model vs the same model with the default FP8 rules (6 of its 8
   # Linear layers in FP8), same data and steps.
   loss_bf16, _ = _train_gpt(lambda m: m)
-  loss_fp8, model = _train_gpt(flax_fp8.set_fp8)
-  assert len(flax_fp8.fp8_modules(model)) == 6
+  loss_fp8, model = _train_gpt(
+      lambda m: jmp_amp.flax.set_policies(m, {"*": "float8"}))
+  assert len(flax_fp8.histories(model)) == 6
   assert loss_bf16 < 0.1 * np.log(64), loss_bf16  # it learned the task
   assert abs(loss_fp8 - loss_bf16) <= 0.03 * loss_bf16, (loss_bf16, loss_fp8)
 
 
 def test_make_train_step_updates_fp8_histories_under_loss_scaling():
   import jmp_amp.flax  # pylint: disable=g-import-not-at-top
-  model = flax_fp8.set_fp8(
+  model = jmp_amp.flax.set_policies(
       models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0)),
-      fp8.delayed_scaling(history_len=4), keep_first_last=False)
+      flax_fp8.FP8Policy(fp8.delayed_scaling(history_len=4),
+                         keep_first_last=False))
   opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
       optax.sgd(0.1), jmp_amp.DynamicLossScale(2.0**15)), wrt=nnx.Param)
   step = jmp_amp.flax.make_train_step(
@@ -684,7 +741,7 @@ def test_make_train_step_updates_fp8_histories_under_loss_scaling():
   x = jnp.full((4, 8), 3.0)
   kernel_before = np.asarray(model.layers[0].kernel[...])
   metrics = step(model, opt, (x, jnp.zeros((4, 2))))
-  hist = flax_fp8.fp8_histories(model)["layers/0"]
+  hist = flax_fp8.histories(model)["layers/0"]
   assert bool(metrics["grads_finite"])
   # The first layer's input amax is |x| = 3 (newest first); the output
   # gradient's amax is recorded too (scaled by the loss scale, > 0).
@@ -859,14 +916,14 @@ def test_autocast_float8_under_remat_scan_and_conv():
 def test_autocast_float8_names_and_errors():
   fn = lambda w, x: x @ w
   w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
-  for name in ("float8", "FP8", " f8 ", jmp_amp.FP8Recipe()):
+  for name in ("float8", "FP8", " f8 ", jmp_amp.fp8.FP8Recipe()):
     assert jmp_amp.autocast(fn, name)(w, x).dtype == jnp.float32
   with pytest.raises(ValueError, match=r"Unknown dtype 'float9'.*autocast "
                      r"also accepts 'float8'"):
     jmp_amp.autocast(fn, "float9")
   with pytest.raises(ValueError, match="autocast runs FP8 matmuls with "
                      "current scaling.*scaling='delayed'"):
-    jmp_amp.autocast(fn, jmp_amp.delayed_scaling(4))
+    jmp_amp.autocast(fn, jmp_amp.fp8.delayed_scaling(4))
   with pytest.raises(TypeError, match="'float8' or an FP8Recipe, got "):
     jmp_amp.autocast(fn, jnp.float8_e4m3fn)
   # A matmul already written in bfloat16 runs as written (as in the bf16

@@ -177,7 +177,7 @@ def test_bench_target_h100_fp8_modes_count_the_f8_gemms(tmp_path, capsys):
                                        "autocast-fp8")
   assert "FP8 FLOPs" in text
   assert "1 x float8_e4m3fn x float8_e4m3fn -> bf16" in text
-  # fp8_rules keep the first and last of the 3 layers in bf16: the middle
+  # "float8" rules keep the first and last of the 3 layers in bf16: the middle
   # layer's forward, input-gradient and weight-gradient GEMMs are FP8.
   assert rules["gemms_by_dtype"] == {
       "bf16 x bf16 -> bf16": 5, "float8_e4m3fn x float8_e4m3fn -> bf16": 1,

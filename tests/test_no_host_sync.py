@@ -174,7 +174,7 @@ def test_linen_train_step_no_transfers_one_compile():
   net = Net()
   xs, ys = rh.make_batches(0, 20)
   params = jax.jit(net.init)(jax.random.key(0), xs[0])["params"]
-  state = jflax.TrainState.create(
+  state = jflax.train.TrainState.create(
       apply_fn=net.apply, params=params,
       tx=rh.make_optimizer(init_scale=2.0**4, period=3))
   state = jax.device_put(state)

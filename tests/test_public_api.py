@@ -13,6 +13,13 @@ attribute of an imported module or of something imported from one
 
 `scan_source` is the checker; the tests below also feed it small bad snippets,
 so a checker that flags nothing fails.
+
+The public names are pinned too (issue 22: one way to do each thing): the
+``__all__`` of `jmp_amp` (jmp's 11 names and 12 of ours) and `jmp_amp.flax`
+together hold at most 32 names, FP8 lives in `jmp_amp.fp8` and
+`jmp_amp.flax.fp8`, and every name that went away is still there for one
+release: a function that warns (DeprecationWarning naming its replacement),
+or a class or constant that is its replacement.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ import ast
 import dataclasses
 import pathlib
 import textwrap
+import warnings
 
 import pytest
+
+import jmp_amp
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jmp_amp"
 LIBRARIES = frozenset({"jax", "jaxlib", "flax", "optax", "chex", "orbax"})
@@ -337,3 +347,122 @@ def test_scanner_reports_file_and_line():
   found = scan_source("import jax\n\n\nx = jax._src.core\n", "jmp_amp/x.py")
   assert [str(v) for v in found] == [
       "jmp_amp/x.py:4: [jax._src] jax._src.core"]
+
+
+# --------------------------------------------------------------------------
+# The public names.
+
+JMP_NAMES = ("DynamicLossScale", "LossScale", "NoOpLossScale", "Policy",
+             "StaticLossScale", "all_finite", "cast_to_full", "cast_to_half",
+             "get_policy", "half_dtype", "select_tree")
+CORE_NAMES = JMP_NAMES + (
+    "LossScalingState", "get_scaling_state", "loss_scaling",
+    "scaled_value_and_grad", "scaling_metrics", "AutocastRules",
+    "DEFAULT_AUTOCAST_RULES", "autocast", "conv_general_dilated",
+    "dot_general", "gpu_report", "matmul_report")
+FLAX_NAMES = ("apply_with_policies", "cast_boundary", "clear_policies",
+              "get_policies", "init_with_policies", "make_linen_train_step",
+              "make_train_step", "mixed_rules", "set_policies")
+
+
+def _flax():
+  return pytest.importorskip("jmp_amp.flax")
+
+
+def test_public_names_are_pinned_and_at_most_32():
+  jflax = _flax()
+  assert sorted(jmp_amp.__all__) == sorted(CORE_NAMES)
+  assert sorted(jflax.__all__) == sorted(FLAX_NAMES)
+  assert len(jmp_amp.__all__) + len(jflax.__all__) <= 32
+  assert sorted(jmp_amp.fp8.__all__) == [
+      "FP8Recipe", "FP8State", "conv_general_dilated", "delayed_scaling",
+      "dot_general", "einsum"]
+  assert sorted(jflax.fp8.__all__) == [
+      "FP8Meta", "FP8Op", "FP8Policy", "histories", "value_and_grad"]
+  assert sorted(jflax.rules.__all__) == [
+      "NORM_CLASSES", "PolicyRules", "mixed_rules"]
+  for module in (jmp_amp, jmp_amp.fp8, jmp_amp.tools, jflax, jflax.fp8,
+                 jflax.rules):
+    for name in module.__all__:
+      assert getattr(module, name) is not None, (module.__name__, name)
+
+
+def _deprecated():
+  """(module, old name, replacement object or None, replacement text)."""
+  jflax = _flax()
+  fp8, tools, flax_fp8 = jmp_amp.fp8, jmp_amp.tools, jflax.fp8
+  classes = [
+      (jmp_amp, "FP8Recipe", fp8.FP8Recipe),
+      (jmp_amp, "FP8State", fp8.FP8State),
+      (jmp_amp, "GpuReport", tools.GpuReport),
+      (jmp_amp, "MatmulRecord", tools.MatmulRecord),
+      (jmp_amp, "MatmulReport", tools.MatmulReport),
+      (jflax, "FP8ConvGeneralDilated", flax_fp8.FP8ConvGeneralDilated),
+      (jflax, "FP8DotGeneral", flax_fp8.FP8DotGeneral),
+      (jflax, "FP8Einsum", flax_fp8.FP8Einsum),
+      (jflax, "FP8Meta", flax_fp8.FP8Meta),
+      (jflax, "FP8Op", flax_fp8.FP8Op),
+      (jflax, "FP8Policy", flax_fp8.FP8Policy),
+      (jflax, "NORM_CLASSES", jflax.rules.NORM_CLASSES),
+      (jflax, "PolicyRules", jflax.rules.PolicyRules),
+      (jflax, "TrainState", jflax.train.TrainState),
+      (flax_fp8, "FP8Recipe", fp8.FP8Recipe),
+      (flax_fp8, "FP8State", fp8.FP8State),
+  ]
+  functions = [
+      (jmp_amp, "delayed_scaling", "jmp_amp.fp8.delayed_scaling"),
+      (jmp_amp, "fp8_conv_general_dilated",
+       "jmp_amp.fp8.conv_general_dilated"),
+      (jmp_amp, "fp8_dot_general", "jmp_amp.fp8.dot_general"),
+      (jmp_amp, "fp8_einsum", "jmp_amp.fp8.einsum"),
+      (jmp_amp, "get_loss_scale", "get_scaling_state"),
+      (jflax, "clear_fp8", "jmp_amp.flax.clear_policies"),
+      (jflax, "fp8_histories", "jmp_amp.flax.fp8.histories"),
+      (jflax, "fp8_modules", "jmp_amp.flax.fp8.histories"),
+      (jflax, "fp8_rules", "jmp_amp.flax.mixed_rules() | {'*': 'float8'}"),
+      (jflax, "fp8_value_and_grad", "jmp_amp.flax.fp8.value_and_grad"),
+      (jflax, "policied_apply",
+       "functools.partial(jmp_amp.flax.apply_with_policies, module, rules)"),
+      (jflax, "policy_of", "jmp_amp.flax.get_policies(module)['']"),
+      (jflax, "set_fp8", "jmp_amp.flax.set_policies(model, rules) with "
+       "'float8'"),
+      (jflax, "update_fp8_state", "jmp_amp.flax.fp8.value_and_grad"),
+      (jflax.rules, "fp8_rules", "jmp_amp.flax.mixed_rules() | "),
+      (flax_fp8, "clear_fp8", "jmp_amp.flax.clear_policies"),
+      (flax_fp8, "delayed_scaling", "jmp_amp.fp8.delayed_scaling"),
+      (flax_fp8, "fp8_histories", "jmp_amp.flax.fp8.histories"),
+      (flax_fp8, "fp8_modules", "jmp_amp.flax.fp8.histories"),
+      (flax_fp8, "fp8_value_and_grad", "jmp_amp.flax.fp8.value_and_grad"),
+      (flax_fp8, "set_fp8", "jmp_amp.flax.set_policies(model, rules) with "
+       "'float8'"),
+      (flax_fp8, "update_fp8_state", "jmp_amp.flax.fp8.value_and_grad"),
+  ]
+  return classes, functions
+
+
+def test_deprecated_classes_are_their_replacements():
+  classes, _ = _deprecated()
+  for module, name, replacement in classes:
+    assert name not in module.__all__, (module.__name__, name)
+    assert getattr(module, name) is replacement, (module.__name__, name)
+
+
+def test_deprecated_functions_warn_naming_their_replacement():
+  _, functions = _deprecated()
+  for module, name, replacement in functions:
+    assert name not in getattr(module, "__all__", ()), (module.__name__, name)
+    fn = getattr(module, name)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      try:
+        fn(None)
+      except Exception:  # pylint: disable=broad-except
+        pass  # Only the warning is tested here.
+    deprecations = [w for w in caught
+                    if issubclass(w.category, DeprecationWarning)]
+    assert deprecations, f"{module.__name__}.{name} did not warn"
+    message = str(deprecations[0].message)
+    assert message.startswith(f"{module.__name__}.{name} is deprecated"), (
+        message)
+    assert replacement in message, (name, message)
+    assert deprecations[0].filename == __file__, (name, deprecations[0])

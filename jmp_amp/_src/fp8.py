@@ -24,7 +24,7 @@ Scaling recipes (`FP8Recipe`):
   The history (`FP8State`) is state the training loop carries.
 
 How the histories are updated without leaving the jitted step: the gradient
-amax is only known in the backward pass, so `fp8_dot_general` takes the
+amax is only known in the backward pass, so `dot_general` takes the
 histories as an *input* and, through a custom VJP, returns each history's new
 value as that input's "gradient". A training step that differentiates with
 respect to the histories receives the updated histories among its gradients
@@ -217,8 +217,7 @@ def delayed_scaling(history_len: int = 16, margin: int = 0,
   """TransformerEngine's delayed-scaling recipe with `history_len` steps.
 
   Example:
-    >>> from jmp_amp._src import fp8
-    >>> fp8.delayed_scaling(history_len=4).scaling
+    >>> jmp_amp.fp8.delayed_scaling(history_len=4).scaling
     'delayed'
   """
   return FP8Recipe(scaling="delayed", history_len=history_len, margin=margin,
@@ -363,7 +362,7 @@ def _sharding_kwargs(out_sharding) -> dict:
   return {} if out_sharding is None else {"out_sharding": out_sharding}
 
 
-def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                     precision=None, preferred_element_type=None, *,
                     state: Optional[FP8State] = None,
                     recipe: FP8Recipe = FP8Recipe(),
@@ -377,9 +376,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   ``preferred_element_type`` if given, else the compute dtype.
 
   Example:
-    >>> from jmp_amp._src import fp8
     >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
-    >>> y = fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
+    >>> y = jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())))
     >>> y.dtype, y.tolist()[0]
     (dtype(bfloat16), [1.5, 1.5, 1.5, 1.5])
 
@@ -401,11 +399,11 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   def op(a, b):
     return lax.dot_general(a, b, dimension_numbers, precision=precision,
                            **_sharding_kwargs(out_sharding))
-  return _fp8_matmul("fp8_dot_general", op, lhs, rhs, state, recipe,
+  return _fp8_matmul("jmp_amp.fp8.dot_general", op, lhs, rhs, state, recipe,
                      preferred_element_type)
 
 
-def fp8_conv_general_dilated(
+def conv_general_dilated(
     lhs: jax.Array, rhs: jax.Array, window_strides, padding,
     lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
     feature_group_count: int = 1, batch_group_count: int = 1,
@@ -414,7 +412,7 @@ def fp8_conv_general_dilated(
     out_sharding=None) -> jax.Array:
   """`lax.conv_general_dilated` with FP8 operands and FP8 gradients.
 
-  The FP8 recipe of `fp8_dot_general` applied to a convolution: input and
+  The FP8 recipe of `dot_general` applied to a convolution: input and
   kernel rounded through E4M3, the output cotangent through E5M2. Compiled
   for an H100 (XLA:GPU, jax 0.10.2), the forward convolution becomes one
   cuDNN graph convolution (``__cudnn$convForwardGraph``) with
@@ -422,9 +420,8 @@ def fp8_conv_general_dilated(
   ``benchmarks/fp8_h100.py`` for what the backward convolutions become.
 
   Example:
-    >>> from jmp_amp._src import fp8
     >>> x, w = jnp.ones((1, 2, 4, 4)), jnp.full((3, 2, 3, 3), 0.5)
-    >>> y = fp8.fp8_conv_general_dilated(x, w, (1, 1), "VALID")
+    >>> y = jmp_amp.fp8.conv_general_dilated(x, w, (1, 1), "VALID")
     >>> y.dtype, y.shape, float(y[0, 0, 0, 0])
     (dtype(bfloat16), (1, 3, 2, 2), 9.0)
 
@@ -433,7 +430,7 @@ def fp8_conv_general_dilated(
       dimension_numbers, feature_group_count, batch_group_count, precision,
       preferred_element_type, out_sharding: as for
       `lax.conv_general_dilated`.
-    state, recipe: as for `fp8_dot_general`.
+    state, recipe: as for `dot_general`.
 
   Returns:
     The convolution's result (``preferred_element_type`` if given, else the
@@ -446,11 +443,11 @@ def fp8_conv_general_dilated(
         feature_group_count=feature_group_count,
         batch_group_count=batch_group_count, precision=precision,
         **_sharding_kwargs(out_sharding))
-  return _fp8_matmul("fp8_conv_general_dilated", op, lhs, rhs, state, recipe,
-                     preferred_element_type)
+  return _fp8_matmul("jmp_amp.fp8.conv_general_dilated", op, lhs, rhs,
+                     state, recipe, preferred_element_type)
 
 
-def fp8_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
                precision=None, preferred_element_type=None,
                state: Optional[FP8State] = None,
                recipe: FP8Recipe = FP8Recipe(),
@@ -459,12 +456,11 @@ def fp8_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
 
   Takes the arguments `nnx.Einsum` passes its ``einsum_op`` knob. The
   einsum's contraction lowers to ``dot_general`` (plus transposes), which
-  XLA:GPU turns into FP8 GEMMs like those of `fp8_dot_general`.
+  XLA:GPU turns into FP8 GEMMs like those of `dot_general`.
 
   Example:
-    >>> from jmp_amp._src import fp8
     >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
-    >>> y = fp8.fp8_einsum("ab,bc->ac", x, w)
+    >>> y = jmp_amp.fp8.einsum("ab,bc->ac", x, w)
     >>> y.dtype, y.tolist()[1]
     (dtype(bfloat16), [1.5, 1.5, 1.5, 1.5])
 
@@ -472,7 +468,7 @@ def fp8_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
     subscripts: the einsum string (two operands).
     lhs, rhs: the operands.
     precision, preferred_element_type, out_sharding: as for `jnp.einsum`.
-    state, recipe: as for `fp8_dot_general`.
+    state, recipe: as for `dot_general`.
 
   Returns:
     The einsum's result (``preferred_element_type`` if given, else the
@@ -483,13 +479,13 @@ def fp8_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
   """
   if not isinstance(subscripts, str) or subscripts.split("->")[0].count(
       ",") != 1:
-    raise ValueError(f"fp8_einsum takes a two-operand einsum string such as "
-                     f"'ab,bc->ac', got {subscripts!r}")
+    raise ValueError(f"jmp_amp.fp8.einsum takes a two-operand einsum string "
+                     f"such as 'ab,bc->ac', got {subscripts!r}")
 
   def op(a, b):
     return jnp.einsum(subscripts, a, b, precision=precision,
                       **_sharding_kwargs(out_sharding))
-  return _fp8_matmul("fp8_einsum", op, lhs, rhs, state, recipe,
+  return _fp8_matmul("jmp_amp.fp8.einsum", op, lhs, rhs, state, recipe,
                      preferred_element_type)
 
 
@@ -513,9 +509,8 @@ def autocast_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
     dtype(bfloat16)
   """
   del preferred_element_type
-  return fp8_dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                         recipe=recipe,
-                         out_sharding=kwargs.get("out_sharding"))
+  return dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                     recipe=recipe, out_sharding=kwargs.get("out_sharding"))
 
 
 def autocast_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, *,
@@ -540,6 +535,6 @@ def autocast_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, *,
   names = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
            "dimension_numbers", "feature_group_count", "batch_group_count",
            "precision", "out_sharding")
-  return fp8_conv_general_dilated(
+  return conv_general_dilated(
       lhs, rhs, recipe=recipe,
       **{k: params[k] for k in names if k in params})

@@ -1,18 +1,15 @@
 """Flax integration: per-module precision policies and mixed-precision steps.
 
 * Rules (`jmp_amp.flax.rules`): ``{module class or path glob: policy}``,
-  first match wins, ``"*"`` the default; `mixed_rules` pins norms to float32.
+  the most specific match wins, ``"*"`` the default; `mixed_rules` pins
+  norms to float32. A policy is a `jmp_amp.Policy` or its string, or FP8:
+  ``"float8"`` or a `jmp_amp.fp8.FP8Recipe` (see `jmp_amp.flax.fp8`).
 * NNX: `set_policies(model, rules)` in place, through the modules' dtype and
   matmul knobs; `cast_boundary` for module methods that compute without
-  knobs; `policy_of`, `get_policies`, `clear_policies`.
-* linen: `init_with_policies`, `apply_with_policies`, `policied_apply` (a
-  TrainState ``apply_fn``).
+  knobs; `get_policies`, `clear_policies`.
+* linen: `init_with_policies`, `apply_with_policies`.
 * Train steps (`jmp_amp.flax.train`): `make_train_step` (NNX + nnx.Optimizer),
-  `make_linen_train_step` (TrainState), with `jmp_amp.loss_scaling`.
-* FP8 (`jmp_amp.flax.fp8`): ``"float8"`` as a rule value (`fp8_rules`, or
-  `set_fp8(model)` alone) runs Linear, Einsum and Conv matmuls in FP8 (E4M3
-  forward, E5M2 backward, per-tensor current or delayed scaling);
-  `fp8_value_and_grad` updates the scaling state.
+  `make_linen_train_step` (a TrainState), with `jmp_amp.loss_scaling`.
 
 Example:
   >>> import jmp_amp.flax
@@ -31,62 +28,53 @@ Example:
 Not imported by `import jmp_amp`, so the core stays free of Flax.
 """
 
+from jmp_amp._src import deprecation as _deprecation
 from jmp_amp.flax import fp8
-from jmp_amp.flax.fp8 import clear_fp8
-from jmp_amp.flax.fp8 import FP8ConvGeneralDilated
-from jmp_amp.flax.fp8 import FP8DotGeneral
-from jmp_amp.flax.fp8 import FP8Einsum
-from jmp_amp.flax.fp8 import FP8Meta
-from jmp_amp.flax.fp8 import FP8Op
-from jmp_amp.flax.fp8 import FP8Policy
-from jmp_amp.flax.fp8 import fp8_histories
-from jmp_amp.flax.fp8 import fp8_modules
-from jmp_amp.flax.fp8 import fp8_value_and_grad
-from jmp_amp.flax.fp8 import set_fp8
-from jmp_amp.flax.fp8 import update_fp8_state
+from jmp_amp.flax import rules
+from jmp_amp.flax import train
 from jmp_amp.flax.linen import apply_with_policies
 from jmp_amp.flax.linen import init_with_policies
-from jmp_amp.flax.linen import policied_apply
+from jmp_amp.flax.linen import policied_apply  # Deprecated, see below.
 from jmp_amp.flax.nnx import cast_boundary
 from jmp_amp.flax.nnx import clear_policies
 from jmp_amp.flax.nnx import get_policies
-from jmp_amp.flax.nnx import policy_of
+from jmp_amp.flax.nnx import policy_of  # Deprecated, see below.
 from jmp_amp.flax.nnx import set_policies
-from jmp_amp.flax.rules import fp8_rules
 from jmp_amp.flax.rules import mixed_rules
-from jmp_amp.flax.rules import NORM_CLASSES
-from jmp_amp.flax.rules import PolicyRules
 from jmp_amp.flax.train import make_linen_train_step
 from jmp_amp.flax.train import make_train_step
-from jmp_amp.flax.train import TrainState
 
 __all__ = (
-    "FP8ConvGeneralDilated",
-    "FP8DotGeneral",
-    "FP8Einsum",
-    "FP8Meta",
-    "FP8Op",
-    "FP8Policy",
-    "NORM_CLASSES",
-    "PolicyRules",
-    "TrainState",
     "apply_with_policies",
     "cast_boundary",
-    "clear_fp8",
     "clear_policies",
-    "fp8",
-    "fp8_histories",
-    "fp8_modules",
-    "fp8_rules",
-    "fp8_value_and_grad",
     "get_policies",
     "init_with_policies",
     "make_linen_train_step",
     "make_train_step",
     "mixed_rules",
-    "policied_apply",
-    "policy_of",
-    "set_fp8",
     "set_policies",
-    "update_fp8_state",
 )
+
+# Deprecated aliases, kept for one release (not in __all__): policied_apply
+# and policy_of above, and these. Classes and constants are the same objects
+# as their replacements.
+FP8ConvGeneralDilated = fp8.FP8ConvGeneralDilated  # jmp_amp.flax.fp8.
+FP8DotGeneral = fp8.FP8DotGeneral  # Use jmp_amp.flax.fp8.FP8DotGeneral.
+FP8Einsum = fp8.FP8Einsum  # Use jmp_amp.flax.fp8.FP8Einsum.
+FP8Meta = fp8.FP8Meta  # Use jmp_amp.flax.fp8.FP8Meta.
+FP8Op = fp8.FP8Op  # Use jmp_amp.flax.fp8.FP8Op.
+FP8Policy = fp8.FP8Policy  # Use jmp_amp.flax.fp8.FP8Policy.
+NORM_CLASSES = rules.NORM_CLASSES  # Use jmp_amp.flax.rules.NORM_CLASSES.
+PolicyRules = rules.PolicyRules  # Use jmp_amp.flax.rules.PolicyRules.
+TrainState = train.TrainState  # Use jmp_amp.flax.train.TrainState.
+clear_fp8 = _deprecation.also_as(fp8.clear_fp8, "jmp_amp.flax.clear_fp8")
+fp8_histories = _deprecation.also_as(fp8.fp8_histories,
+                                     "jmp_amp.flax.fp8_histories")
+fp8_modules = _deprecation.also_as(fp8.fp8_modules, "jmp_amp.flax.fp8_modules")
+fp8_rules = _deprecation.also_as(rules.fp8_rules, "jmp_amp.flax.fp8_rules")
+fp8_value_and_grad = _deprecation.also_as(fp8.fp8_value_and_grad,
+                                          "jmp_amp.flax.fp8_value_and_grad")
+set_fp8 = _deprecation.also_as(fp8.set_fp8, "jmp_amp.flax.set_fp8")
+update_fp8_state = _deprecation.also_as(fp8.update_fp8_state,
+                                        "jmp_amp.flax.update_fp8_state")

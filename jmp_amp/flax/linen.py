@@ -57,6 +57,7 @@ from flax import traverse_util
 import jax
 import numpy as np
 
+from jmp_amp._src import deprecation
 from jmp_amp.flax import _common
 from jmp_amp.flax import rules as rules_lib
 
@@ -196,7 +197,9 @@ def apply_with_policies(module: nn.Module, rules: Any, variables: Any,
 
   Keyword arguments (``method=``, ``mutable=``, ``rngs=``) go to `apply`.
   Call it inside the differentiated function: the param casts are part of
-  the traced program, so gradients come back in the stored dtypes.
+  the traced program, so gradients come back in the stored dtypes. As the
+  ``apply_fn`` of a `flax.training.train_state.TrainState`:
+  ``functools.partial(jmp_amp.flax.apply_with_policies, module, rules)``.
 
   Example:
     >>> import jmp_amp.flax
@@ -229,21 +232,9 @@ def apply_with_policies(module: nn.Module, rules: Any, variables: Any,
     return module.apply(variables, *args, **kwargs)
 
 
-def policied_apply(module: nn.Module, rules: Any, *, strict: bool = False
-                   ) -> Callable[..., Any]:
-  """An ``apply_fn(variables, *args, **kwargs)`` that applies the policies.
-
-  For `flax.training.train_state.TrainState.create(apply_fn=...)`; the rules
-  are validated now.
-
-  Example:
-    >>> import jmp_amp.flax
-    >>> model = nn.Dense(2)
-    >>> apply_fn = jmp_amp.flax.policied_apply(model, "mixed_float16")
-    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
-    >>> apply_fn(variables, jnp.ones((1, 3))).dtype
-    dtype('float16')
-  """
+def _policied_apply(module: nn.Module, rules: Any, *, strict: bool = False
+                    ) -> Callable[..., Any]:
+  """`apply_with_policies` with `module` and `rules` bound."""
   rules_lib.validate_rules(rules, fp8=False)
 
   @functools.wraps(module.apply)
@@ -251,6 +242,12 @@ def policied_apply(module: nn.Module, rules: Any, *, strict: bool = False
     return apply_with_policies(module, rules, variables, *args,
                                strict=strict, **kwargs)
   return apply_fn
+
+
+# Deprecated alias, kept for one release.
+policied_apply = deprecation.deprecated(
+    _policied_apply, "jmp_amp.flax.policied_apply",
+    "functools.partial(jmp_amp.flax.apply_with_policies, module, rules)")
 
 
 def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:

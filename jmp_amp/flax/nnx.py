@@ -54,7 +54,7 @@ Example:
   dtype(bfloat16)
   >>> model.layers[0].kernel[...].dtype, model.layers[0].dtype
   (dtype('float32'), dtype(bfloat16))
-  >>> str(jmp_amp.flax.policy_of(model.layers[1]))
+  >>> str(jmp_amp.flax.get_policies(model)["layers/1"])
   'p=f32,c=f32,o=f32'
 """
 
@@ -71,10 +71,10 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_amp import Policy
+from jmp_amp._src import deprecation
 from jmp_amp._src import ops
 from jmp_amp.flax import _common
-from jmp_amp.flax import fp8 as fp8_lib
+from jmp_amp.flax import _fp8 as fp8_lib
 from jmp_amp.flax import rules as rules_lib
 
 M = TypeVar("M", bound=nnx.Module)
@@ -119,9 +119,10 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
   Calling it again replaces the previous policies (modules that no rule
   matches any more get their original knobs back).
 
-  A rule whose value is ``"float8"`` (an `jmp_amp.flax.fp8.FP8Policy`)
-  runs the matmul modules it decides in FP8 and everything else it decides
-  in bfloat16; see `jmp_amp.flax.fp8` and `jmp_amp.flax.fp8_rules`.
+  A rule whose value is ``"float8"`` or a `jmp_amp.fp8.FP8Recipe` runs the
+  matmul modules it decides in FP8 (except the model's first and last) and
+  everything else it decides in bfloat16; see `jmp_amp.flax.fp8`. If FP8
+  rules convert no module, a UserWarning says why.
 
   Example:
     >>> import jmp_amp.flax
@@ -134,9 +135,10 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
 
   Args:
     model: the `nnx.Module` (the root of the graph).
-    rules: a rules mapping ({module class or path pattern: policy}, first
-      match wins, ``"*"`` is the default; see `jmp_amp.flax.rules`), a
-      `Policy` or a policy string (meaning ``{"*": policy}``).
+    rules: a rules mapping ({module class or path pattern: policy}, the
+      most specific match wins, ``"*"`` is the default; see
+      `jmp_amp.flax.rules`), a `Policy`, a policy string or ``"float8"``
+      (meaning ``{"*": policy}``).
     strict: raise ValueError, instead of warning, when a rule decides no
       module (optional rules, e.g. the norm rules of `mixed_rules`, never
       complain) or a module cannot follow its policy (no knobs, own Params
@@ -144,8 +146,8 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
     example_args: inputs (arrays or `jax.ShapeDtypeStruct`) for one
       abstract call ``model(*example_args)`` that finds the call order of
       the matmul modules, for FP8 rules that keep the first and last in
-      bfloat16; without it they are taken in path order, as by
-      `jmp_amp.flax.set_fp8`.
+      bfloat16; without it they are taken in path order (list indices
+      numerically), which need not be the call order.
 
   Returns:
     `model`, for chaining.
@@ -153,10 +155,11 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
   Raises:
     TypeError: `model` is not an nnx.Module or a rule key is not a module
       class or str.
-    ValueError: a rule value is not a policy, a pattern is malformed, an
-      FP8 rule names a module without a matmul knob that computes with
-      Params of its own (nnx.Embed, a norm, nnx.ConvTranspose), or (if
-      `strict`) a rule matched nothing or a module cannot follow its policy.
+    ValueError: a rule value is not a policy, a pattern is malformed, a
+      module matches two rules of equal rank, an FP8 rule names a module
+      without a matmul knob that computes with Params of its own
+      (nnx.Embed, a norm, nnx.ConvTranspose), or (if `strict`) a rule
+      matched nothing or a module cannot follow its policy.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"set_policies expects an nnx.Module, got "
@@ -175,7 +178,7 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
   rules_lib.report_unmatched(
       ruleset, used, [(_path_str(p), m) for p, m in modules], strict=strict,
       what=type(model).__name__)
-  fp8_modules = _fp8_modules(model, modules, resolved, example_args)
+  fp8_paths = _fp8_modules(model, ruleset, modules, resolved, example_args)
   problems = []
   for path, module in modules:
     res = resolved[path]
@@ -185,7 +188,7 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
                        cast_output=rules_lib.casts_output(_path_str(path),
                                                           res),
                        explicit=res.source == "rule",
-                       fp8=path in fp8_modules)
+                       fp8=path in fp8_paths)
       if problem:
         problems.append(f"{_path_str(path) or '<root>'!r} "
                         f"({type(module).__name__}) {problem}")
@@ -200,27 +203,13 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
   return model
 
 
-def policy_of(module: nnx.Module) -> Optional[Policy]:
-  """The policy `set_policies` gave `module`, or None.
+def get_policies(model: nnx.Module) -> dict[str, Any]:
+  """The policy `set_policies` gave each module, keyed by '/'-joined path.
 
-  Example:
-    >>> import jmp_amp.flax
-    >>> layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    >>> print(jmp_amp.flax.policy_of(layer))
-    None
-    >>> str(jmp_amp.flax.policy_of(
-    ...     jmp_amp.flax.set_policies(layer, "mixed_float16")))
-    'p=f32,c=f16,o=f16'
-  """
-  if not isinstance(module, nnx.Module):
-    raise TypeError(f"policy_of expects an nnx.Module, got "
-                    f"{type(module).__name__}")
-  applied = vars(module).get(_ATTR)
-  return None if applied is None else applied.policy
-
-
-def get_policies(model: nnx.Module) -> dict[str, Optional[Policy]]:
-  """Every module's policy, keyed by '/'-joined path (the root is "").
+  The root is ``""``, so ``get_policies(module)[""]`` is the policy of one
+  module (also of a module inside a model). A module left as it is has
+  None; one whose matmul runs in FP8 has its `jmp_amp.flax.fp8.FP8Policy`;
+  the others have a `jmp_amp.Policy`.
 
   Example:
     >>> import jmp_amp.flax
@@ -228,19 +217,29 @@ def get_policies(model: nnx.Module) -> dict[str, Optional[Policy]]:
     >>> _ = jmp_amp.flax.set_policies(model, {"layers/0": "float16"})
     >>> {p: str(pol) for p, pol in jmp_amp.flax.get_policies(model).items()}
     {'': 'None', 'layers': 'None', 'layers/0': 'p=f16,c=f16,o=f16'}
+    >>> str(jmp_amp.flax.get_policies(model.layers[0])[""])
+    'p=f16,c=f16,o=f16'
+
+  Raises:
+    TypeError: `model` is not an nnx.Module.
   """
-  return {_path_str(p): policy_of(m) for p, m in _modules(model)}
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"get_policies expects an nnx.Module, got "
+                    f"{type(model).__name__}")
+  return {_path_str(p): _policy(m) for p, m in _modules(model)}
 
 
 def clear_policies(model: M) -> M:
   """Undoes `set_policies`: original knobs (params keep their dtype).
+
+  FP8 modules get their original matmul back, and their histories go.
 
   Example:
     >>> import jmp_amp.flax
     >>> layer = jmp_amp.flax.set_policies(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
     ...                                   "mixed_bfloat16")
     >>> layer = jmp_amp.flax.clear_policies(layer)
-    >>> jmp_amp.flax.policy_of(layer) is None, layer.dtype is None
+    >>> jmp_amp.flax.get_policies(layer)[""] is None, layer.dtype is None
     (True, True)
   """
   for _, module in _modules(model):
@@ -306,8 +305,24 @@ def cast_boundary(method: F) -> F:
   return wrapped
 
 
+def _policy_of(module: nnx.Module) -> Any:
+  """`get_policies(module)[""]`."""
+  return get_policies(module)[rules_lib.ROOT_KEY]
+
+
+# Deprecated alias, kept for one release.
+policy_of = deprecation.deprecated(
+    _policy_of, "jmp_amp.flax.policy_of",
+    "jmp_amp.flax.get_policies(module)[''] (the root's path is '')")
+
+
 # --------------------------------------------------------------------------
 # Graph walking.
+
+
+def _policy(module: nnx.Module) -> Any:
+  applied = vars(module).get(_ATTR)
+  return None if applied is None else applied.policy
 
 
 def _path_str(path: tuple) -> str:
@@ -325,26 +340,44 @@ def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
   return sorted(pairs, key=lambda pm: len(pm[0]))  # stable: keeps nnx order
 
 
-def _fp8_modules(model: nnx.Module, modules: list, resolved: dict,
+def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
+                 modules: list, resolved: dict,
                  example_args: Optional[tuple]) -> set[tuple]:
   """Paths of the modules whose FP8 rule makes their matmul FP8.
 
   Checks, before anything changes, that no FP8 rule names a module that
   cannot run in FP8 and holds Params of its own (containers are fine: what
-  they hold inherits the rule).
+  they hold inherits the rule). Warns, saying why, if FP8 rules convert no
+  module.
   """
   decided = [(p, m, resolved[p].policy) for p, m in modules
              if isinstance(resolved[p].policy, fp8_lib.FP8Policy)]
   for path, module, _ in decided:
-    if (resolved[path].source == "rule" and not fp8_lib._knob(module)
+    if (resolved[path].source == "rule" and not fp8_lib.knob(module)
         and _own_params(module)):
-      fp8_lib._check_capable(path, module)
-  if any(pol.keep_first_last for _, _, pol in decided):
-    ends = fp8_lib._end_paths(model, example_args)
+      fp8_lib.check_capable(path, module)
+  capable = [(p, pol) for p, m, pol in decided if fp8_lib.knob(m)]
+  if any(pol.keep_first_last for _, pol in capable):
+    ends = fp8_lib.end_paths(model, example_args)
   else:
     ends = set()
-  return {p for p, m, pol in decided if fp8_lib._knob(m)
-          and not (pol.keep_first_last and p in ends)}
+  chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
+  if not chosen and any(isinstance(rule.policy, fp8_lib.FP8Policy)
+                        for rule in ruleset.all_rules):
+    if not any(fp8_lib.knob(m) for _, m in modules):
+      why = ("it has no module with a matmul knob (nnx.Linear, "
+             "nnx.LinearGeneral, nnx.Einsum, nnx.Conv)")
+    elif not capable:
+      why = ("the FP8 rules decide none of its matmul modules (other rules "
+             "decide them)")
+    else:
+      paths = ", ".join(repr(_path_str(p) or "<root>") for p, _ in capable)
+      why = (f"the only matmul modules the FP8 rules decide ({paths}) are "
+             "the model's first and last, which FP8 keeps in bfloat16 "
+             "(keep_first_last); to convert them too, give them the rule "
+             "value jmp_amp.flax.fp8.FP8Policy(keep_first_last=False)")
+    fp8_lib.warn_nothing_converted(type(model).__name__, why, stacklevel=3)
+  return chosen
 
 
 def _owner(path: tuple, owners: set[tuple]) -> tuple:
@@ -420,7 +453,7 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
           and attrs.get(name + "_cls") is None):
         set_knob(name, replacement)
   if fp8:
-    fp8_lib._convert(module, fp8_policy.recipe)
+    fp8_lib.convert(module, fp8_policy.recipe)
   setattr(module, _ATTR, _Applied(fp8_policy if fp8 else policy, cast_output,
                                   tuple(originals.items()), fp8))
   if (has_dtype or _has_boundary(type(module))
@@ -444,7 +477,7 @@ def _remove(module: nnx.Module) -> None:
   if applied is None:
     return
   if applied.fp8:
-    fp8_lib._restore(module)
+    fp8_lib.restore(module)
   for name, value in applied.originals:
     setattr(module, name, value)
   delattr(module, _ATTR)

@@ -5,22 +5,32 @@ A rules mapping goes from a *key* to a *policy*:
 * key: a module class (``nnx.LayerNorm``, ``nn.Dense``), matched with
   `isinstance`; or a path pattern (a `str`), matched against the module's
   '/'-joined path in the model, e.g. ``"head"``, ``"blocks/0/attn"``,
-  ``"blocks/*/attn"``. The root module's path is ``""``.
+  ``"blocks/*/attn"``. The root module's path is ``""``. The key ``"*"``
+  alone is the catch-all default (see below).
 * policy: a `jmp_amp.Policy`, a policy string (``"float32"``,
   ``"mixed_bfloat16"``, ``"p=f32,c=bf16,o=f32"``), or None to leave the
-  matched modules as they are. For NNX models also ``"float8"`` (or a
-  `jmp_amp.flax.fp8.FP8Policy`, or a `jmp_amp.FP8Recipe`): the matmul
-  modules it decides run in FP8 and the rest of what it decides in bfloat16
-  (see `jmp_amp.flax.fp8`); `fp8_rules` is `mixed_rules` with FP8 default.
+  matched modules as they are. For NNX models also FP8: ``"float8"`` or a
+  `jmp_amp.fp8.FP8Recipe` (a `jmp_amp.flax.fp8.FP8Policy` for its other
+  options): the matmul modules it decides run in FP8, except the model's
+  first and last, and the rest of what it decides in bfloat16 (see
+  `jmp_amp.flax.fp8`).
 
-Patterns are globs over path segments: ``*`` matches within one segment,
-``?`` one character of a segment, ``[abc]`` / ``[!abc]`` / ``[0-9]`` a
-character class, and ``**`` any number of segments (``"blocks/**"`` is
-everything inside ``blocks``, ``"**/attn"`` an ``attn`` at any depth).
+Path patterns: the one glob dialect of `jmp_amp.flax`. A pattern matches a
+whole path, segment by segment: ``*`` matches within one segment, ``?`` one
+character of a segment, ``[abc]`` / ``[!abc]`` / ``[0-9]`` a character class,
+and ``**`` any number of segments (``"blocks/**"`` is everything inside
+``blocks``, ``"**/attn"`` an ``attn`` at any depth). So ``"*/out"`` matches
+``"mlp/out"`` but not ``"blocks/0/mlp/out"``, which ``"**/out"`` matches.
 
 Resolution, for each module:
 
-1. The first rule, in mapping order, whose key matches the module wins.
+1. The most specific rule whose key matches the module wins, wherever it
+   sits in the mapping: an exact path (a pattern without wildcards)
+   outranks a glob, a glob outranks a module class, and a class outranks
+   its base classes. Two matching rules of equal rank (two globs, or two
+   classes neither of which subclasses the other) are ambiguous: applying
+   the rules raises ValueError naming both rules and the path, as Keras's
+   ``DTypePolicyMap`` does.
 2. Otherwise the module inherits the policy of its nearest ancestor that a
    rule matched, so ``{"head": "float32"}`` covers the layers inside ``head``.
    Except from ``""``: that pattern names the root alone, for the model's own
@@ -40,16 +50,24 @@ model's outputs. Inside the model, each module returns its own policy's
 output dtype (see `jmp_amp.flax.nnx` for what NNX modules can express).
 
 Example:
-  >>> from jmp_amp.flax.rules import mixed_rules, resolve_policy
-  >>> rules = {"blocks/*/attn": "p=f32,c=bf16,o=f32",
-  ...          nnx.LayerNorm: "float32",
-  ...          "*": "mixed_bfloat16"}
-  >>> str(mixed_rules("float16")["*"])  # norms in float32, the rest f16
-  'p=f32,c=f16,o=f16'
-  >>> fp8_mlps = {"blocks/*/mlp": "float8", nnx.LayerNorm: "float32",
-  ...             "*": "mixed_bfloat16"}     # FP8 MLPs, bf16 elsewhere
-  >>> str(resolve_policy("blocks/*/mlp", fp8_mlps["blocks/*/mlp"]))
-  'float8'
+  >>> import jmp_amp.flax
+  >>> from jmp_amp import models
+  >>> gpt = models.GPT(vocab_size=32, d_model=16, num_heads=2, num_layers=2,
+  ...                  max_len=8, rngs=nnx.Rngs(0))
+  >>> rules = {"blocks/*/mlp": "float8",           # FP8 MLPs
+  ...          "blocks/0/mlp": "mixed_bfloat16",   # but not the first one
+  ...          nnx.LayerNorm: "float32", "*": "mixed_bfloat16"}
+  >>> policies = jmp_amp.flax.get_policies(
+  ...     jmp_amp.flax.set_policies(gpt, rules))
+  >>> [str(policies[p]) for p in ("blocks/0/mlp/fc", "blocks/1/mlp/fc",
+  ...                             "blocks/1/ln1")]
+  ['p=f32,c=bf16,o=bf16', 'float8', 'p=f32,c=f32,o=f32']
+  >>> jmp_amp.flax.set_policies(gpt, {"blocks/*/attn": "float32",
+  ...                                 "blocks/0/*": "bfloat16"})
+  Traceback (most recent call last):
+  ...
+  ValueError: jmp_amp.flax: module 'blocks/0/attn' matches two rules of
+  equal rank, 'blocks/*/attn' -> p=f32,c=f32,o=f32 and 'blocks/0/*' -> ...
 """
 
 from __future__ import annotations
@@ -64,8 +82,11 @@ from flax import nnx
 
 import jmp_amp
 from jmp_amp import Policy
+from jmp_amp._src import deprecation
 from jmp_amp._src import fp8 as fp8_core
-from jmp_amp.flax import fp8 as fp8_lib
+from jmp_amp.flax import _fp8 as fp8_lib
+
+__all__ = ("NORM_CLASSES", "PolicyRules", "mixed_rules")
 
 DEFAULT_KEY = "*"
 ROOT_KEY = ""
@@ -92,7 +113,7 @@ class PolicyRules(dict):
   stays quiet: ``mixed_rules() | {"head": "float32"}``.
 
   Example:
-    >>> from jmp_amp.flax import PolicyRules
+    >>> from jmp_amp.flax.rules import PolicyRules
     >>> rules = PolicyRules({nnx.Dropout: "float32", "*": "bf16"},
     ...                     optional=[nnx.Dropout])
     >>> (rules | {"head": "float32"}).optional == {nnx.Dropout}
@@ -175,47 +196,23 @@ def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
   return PolicyRules(rules, optional=NORM_CLASSES)
 
 
-def fp8_rules(recipe: Any = None, *, keep_first_last: bool = True,
-              param: Any = "float32", norms: PolicyLike = "float32",
-              model_output: Any = None) -> PolicyRules:
-  """`mixed_rules` with FP8 as the default: FP8 matmuls, norms in float32.
-
-  The catch-all rule is an `FP8Policy`: modules with a matmul knob
-  (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv) run it in FP8
-  except the model's first and last (`keep_first_last`), everything else
-  (embeddings, the first/last matmul modules, activations) in bfloat16.
-  Extend it like any rules: ``fp8_rules() | {"head": "float32"}``. For NNX
-  models (`jmp_amp.flax.set_policies`); applying it converts the same
-  modules as ``jmp_amp.flax.set_fp8(model, recipe)``.
-
-  Example:
-    >>> import jmp_amp.flax
-    >>> from jmp_amp import models
-    >>> model = models.MLP(8, 2, num_layers=4, width=16, rngs=nnx.Rngs(0))
-    >>> rules = jmp_amp.flax.fp8_rules("delayed")
-    >>> str(rules["*"])
-    'float8(delayed, history_len=16)'
-    >>> _ = jmp_amp.flax.set_policies(model, rules)
-    >>> sorted(jmp_amp.flax.fp8_modules(model))
-    ['layers/1', 'layers/2']
-
-  Args:
-    recipe: an `FP8Recipe`, "current" (default) or "delayed".
-    keep_first_last: leave the first and last matmul modules in bfloat16.
-    param: param (master weight) dtype.
-    norms: policy of the normalisation layers (optional rules).
-    model_output: if given, the dtype the model as a whole returns (see
-      `mixed_rules`).
-
-  Returns:
-    A `PolicyRules`: the root rule (if any), the norm rules, ``"*"`` last.
-  """
+def _fp8_rules(recipe: Any = None, *, keep_first_last: bool = True,
+               param: Any = "float32", norms: PolicyLike = "float32",
+               model_output: Any = None) -> PolicyRules:
+  """`mixed_rules` with an `FP8Policy` as the catch-all rule."""
   default = fp8_lib.FP8Policy(recipe, keep_first_last=keep_first_last,
                               param_dtype=param)
   rules = mixed_rules(default.compute_dtype, param=param, norms=norms,
                       model_output=model_output)
   rules[DEFAULT_KEY] = default
   return rules
+
+
+# Deprecated alias, kept for one release.
+fp8_rules = deprecation.deprecated(
+    _fp8_rules, "jmp_amp.flax.rules.fp8_rules",
+    "jmp_amp.flax.mixed_rules() | {'*': 'float8'} (or an FP8Recipe, or a "
+    "jmp_amp.flax.fp8.FP8Policy for keep_first_last and param_dtype)")
 
 
 # --------------------------------------------------------------------------
@@ -242,8 +239,8 @@ def resolve_policy(key: Any, value: Any, *, fp8: bool = True
     if not fp8:
       raise ValueError(
           f"Rule {describe_key(key)} asks for FP8 ({value!r}), which "
-          "jmp_amp.flax applies to NNX models only (set_policies, set_fp8); "
-          "for linen use jmp_amp.autocast(apply_fn, 'float8').")
+          "jmp_amp.flax applies to NNX models only (set_policies); for "
+          "linen use jmp_amp.autocast(apply_fn, 'float8').")
     return fp8_policy
   if isinstance(value, str):
     try:
@@ -256,7 +253,7 @@ def resolve_policy(key: Any, value: Any, *, fp8: bool = True
       f"Rule {describe_key(key)} has value {value!r} of type "
       f"{type(value).__name__}; expected a jmp_amp.Policy, a policy string "
       "such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32', 'float8' (or an "
-      "FP8Policy/FP8Recipe), or None.")
+      "FP8Recipe/FP8Policy), or None.")
 
 
 def describe_key(key: Any) -> str:
@@ -334,6 +331,11 @@ def compile_pattern(pattern: str) -> re.Pattern:
     raise fail(str(e)) from None
 
 
+# Ranks of rules that match a module directly: the highest wins.
+CLASS_RANK, GLOB_RANK, PATH_RANK = 0, 1, 2
+_WILDCARDS = frozenset("*?[")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """One validated rule."""
@@ -341,6 +343,13 @@ class Rule:
   policy: Union[Policy, fp8_lib.FP8Policy, None]
   regex: Optional[re.Pattern]
   optional: bool
+
+  @property
+  def rank(self) -> int:
+    """How specific the key is: an exact path, a glob, or a class."""
+    if isinstance(self.key, type):
+      return CLASS_RANK
+    return GLOB_RANK if _WILDCARDS & set(self.key) else PATH_RANK
 
   def matches(self, path: str, module: Any) -> bool:
     if self.regex is None:
@@ -426,6 +435,30 @@ class Resolution:
 NO_POLICY = Resolution(None, None, "none")
 
 
+def most_specific(rules: Sequence[Rule], path: str) -> Rule:
+  """The rule of highest rank among `rules`, which all match `path`.
+
+  Raises:
+    ValueError: two of them are equally specific (naming both and `path`).
+  """
+  top = max(rule.rank for rule in rules)
+  best = [rule for rule in rules if rule.rank == top]
+  if top == CLASS_RANK:  # A subclass is more specific than its bases.
+    best = [rule for rule in best if not any(
+        other.key is not rule.key and issubclass(other.key, rule.key)
+        for other in best)]
+  if len(best) > 1:
+    first, second = best[:2]
+    raise ValueError(
+        f"jmp_amp.flax: module {path or '<root>'!r} matches two rules of "
+        f"equal rank, {describe_key(first.key)} -> {first.policy} and "
+        f"{describe_key(second.key)} -> {second.policy}, and neither is "
+        "more specific (an exact path outranks a glob, a glob a module "
+        "class, a class its bases). Make one of them more specific (e.g. "
+        "a rule for this exact path) or drop one.")
+  return best[0]
+
+
 def resolve(ruleset: RuleSet, path: str, module: Any,
             parent: Optional[Resolution]) -> Resolution:
   """The policy of one module, given its parent's resolution (or None).
@@ -433,11 +466,15 @@ def resolve(ruleset: RuleSet, path: str, module: Any,
   The pattern ``""`` names the root alone and is not inherited: it sets the
   model's own input/output casts, e.g. ``{"": "p=f32,c=bf16,o=f32"} |
   mixed_rules()`` returns float32 outputs from an otherwise mixed model.
+
+  Raises:
+    ValueError: the module matches two rules of equal rank.
   """
-  for rule in ruleset.rules:
-    if rule.matches(path, module):
-      return Resolution(rule.policy, rule, "rule",
-                        inheritable=rule.key != ROOT_KEY)
+  matching = [rule for rule in ruleset.rules if rule.matches(path, module)]
+  if matching:
+    rule = most_specific(matching, path)
+    return Resolution(rule.policy, rule, "rule",
+                      inheritable=rule.key != ROOT_KEY)
   if parent is not None and parent.inheritable:
     return Resolution(parent.policy, parent.rule, "inherited",
                       inheritable=True)
@@ -462,8 +499,8 @@ def report_unmatched(ruleset: RuleSet, used: set, candidates: Sequence[tuple[
   Args:
     ruleset: the validated rules.
     used: keys of the rules that decided at least one module directly.
-    candidates: (path, module) pairs, to say which earlier rule shadowed a
-      rule that matched modules but never won.
+    candidates: (path, module) pairs, to say whether a rule that decided
+      nothing matched modules that more specific rules decided.
     strict: raise ValueError instead of warning.
     what: how to name the model in the message.
   """
@@ -475,7 +512,7 @@ def report_unmatched(ruleset: RuleSet, used: set, candidates: Sequence[tuple[
     matched = [p for p, m in candidates if rule.matches(p, m)]
     if matched:
       why = (f"every module it matches (e.g. {matched[0] or '<root>'!r}) is "
-             "decided by an earlier rule")
+             "decided by a more specific rule")
     elif isinstance(rule.key, type):
       why = "no module is an instance of it"
     else:

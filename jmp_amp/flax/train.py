@@ -24,9 +24,10 @@ torch's op-level autocast instead. `loss_scaling` is the `GradScaler`. The
 step is jitted and updates `net` and `opt` in place, donating their buffers.
 With linen::
 
-    state = jmp_amp.flax.TrainState.create(
-        apply_fn=jmp_amp.flax.policied_apply(net, rules), params=params,
-        tx=tx, batch_stats=batch_stats)
+    state = jmp_amp.flax.train.TrainState.create(
+        apply_fn=functools.partial(jmp_amp.flax.apply_with_policies, net,
+                                   rules),
+        params=params, tx=tx, batch_stats=batch_stats)
     step = jmp_amp.flax.make_linen_train_step(
         lambda net, b: loss_fn(net(b[0], train=True), b[1]))
     state, metrics = step(state, (input, target))
@@ -65,7 +66,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.tree import where_tree
-from jmp_amp.flax import fp8
+from jmp_amp.flax import _fp8
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
 
@@ -74,11 +75,13 @@ class TrainState(train_state.TrainState):
   """`flax.training.train_state.TrainState` with a ``batch_stats`` field.
 
   Example:
+    >>> import functools
     >>> import jmp_amp.flax
     >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(False)])
     >>> variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
-    >>> state = jmp_amp.flax.TrainState.create(
-    ...     apply_fn=jmp_amp.flax.policied_apply(model, "mixed_bfloat16"),
+    >>> state = jmp_amp.flax.train.TrainState.create(
+    ...     apply_fn=functools.partial(jmp_amp.flax.apply_with_policies,
+    ...                                model, "mixed_bfloat16"),
     ...     params=variables["params"], tx=optax.sgd(0.1),
     ...     batch_stats=variables["batch_stats"])
     >>> sorted(state.batch_stats["layers_1"])
@@ -200,8 +203,9 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     has_aux: whether `loss_fn` returns ``(loss, aux)``; aux goes to
       ``metrics["aux"]``.
     autocast: None; a policy string / `Policy` / floating dtype, or
-      ``"float8"`` / a `jmp_amp.FP8Recipe`, to run `loss_fn` under
-      `jmp_amp.autocast` (op-level autocast, outputs kept float32); or any callable ``fn -> fn`` applied to the pure function
+      ``"float8"`` / a `jmp_amp.fp8.FP8Recipe`, to run `loss_fn` under
+      `jmp_amp.autocast` (op-level autocast, outputs kept float32); or any
+      callable ``fn -> fn`` applied to the pure function
       ``(params, rest, batch) -> (loss, aux, rest)``.
     wrt: filter of the variables to differentiate, as given to
       `nnx.Optimizer`.
@@ -224,10 +228,10 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
     _check_optimizer(optimizer)
-    # FP8 amax histories are differentiated too: their "gradients" are
-    # their new values (see jmp_amp.flax.fp8).
-    diff = nnx.Any(wrt, fp8.FP8Meta)
-    graphdef, params, rest = nnx.split(model, diff, ...)
+    # The FP8 amax histories are differentiated too: their "gradients" are
+    # their new values, which value_and_grad writes into the model.
+    diff = nnx.Any(wrt, _fp8.FP8Meta)
+    graphdef, _, rest = nnx.split(model, diff, ...)
     opt_state = _optax_state(optimizer)
     loss_scale = jmp_amp.get_scaling_state(opt_state).loss_scale
 
@@ -239,13 +243,14 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
     fn = hook(forward) if hook is not None else forward
 
-    def scaled_loss(params):
-      loss, aux, new_rest = fn(params, rest, batch)
+    def scaled_loss(differentiated):
+      _, params, inputs = nnx.split(differentiated, diff, ...)
+      loss, aux, new_rest = fn(params, inputs, batch)
       loss = jnp.asarray(loss, jnp.float32)
       return loss_scale.scale(loss), (loss, aux, new_rest)
 
-    grads, (loss, aux, new_rest) = jax.grad(scaled_loss, has_aux=True)(params)
-    grads = fp8.update_fp8_state(model, grads)
+    (_, (loss, aux, new_rest)), grads = _fp8.value_and_grad(
+        scaled_loss, has_aux=True, wrt=wrt)(model)
     optimizer.update(model, grads)
     metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
 
@@ -324,16 +329,19 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
   """Builds ``step(state, batch) -> (state, metrics)`` for a linen TrainState.
 
   `state` is a `flax.training.train_state.TrainState` (or subclass, e.g.
-  `jmp_amp.flax.TrainState` with ``batch_stats``) whose `tx` contains
-  `jmp_amp.loss_scaling`; make its ``apply_fn`` `policied_apply(module,
-  rules)` for per-module policies.
+  `jmp_amp.flax.train.TrainState` with ``batch_stats``) whose `tx` contains
+  `jmp_amp.loss_scaling`; make its ``apply_fn``
+  ``functools.partial(jmp_amp.flax.apply_with_policies, module, rules)``
+  for per-module policies.
 
   Example:
+    >>> import functools
     >>> import jmp_amp.flax
     >>> module = nn.Sequential([nn.Dense(4), nn.BatchNorm(False)])
     >>> variables = module.init(jax.random.key(0), jnp.ones((2, 3)))
-    >>> state = jmp_amp.flax.TrainState.create(
-    ...     apply_fn=jmp_amp.flax.policied_apply(module, "mixed_float16"),
+    >>> state = jmp_amp.flax.train.TrainState.create(
+    ...     apply_fn=functools.partial(jmp_amp.flax.apply_with_policies,
+    ...                                module, "mixed_float16"),
     ...     params=variables["params"], batch_stats=variables["batch_stats"],
     ...     tx=jmp_amp.loss_scaling(optax.sgd(0.1),
     ...                             jmp_amp.DynamicLossScale(2.0 ** 15)))

@@ -203,15 +203,16 @@ def _as_policy(policy_or_dtype: Any
       raise ValueError(
           "autocast runs FP8 matmuls with current scaling (it keeps no state "
           f"between calls), got an FP8Recipe with scaling={recipe.scaling!r}."
-          " For delayed scaling use jmp_amp.flax.fp8 (NNX) or "
-          "jmp_amp.fp8_dot_general with an FP8State.")
+          " For delayed scaling use 'float8' rules of "
+          "jmp_amp.flax.set_policies (NNX) or jmp_amp.fp8.dot_general with "
+          "an FP8State.")
     return Policy(_F32, recipe.compute_dtype, _F32), recipe
   if isinstance(policy_or_dtype, (Policy, str)):
     try:
       return get_policy(policy_or_dtype), None
     except ValueError as e:
       raise ValueError(f"{e} autocast also accepts 'float8' (FP8 matmuls, "
-                       "see jmp_amp.FP8Recipe).") from None
+                       "see jmp_amp.fp8).") from None
   try:
     compute = dtypes.canonical_float_dtype(policy_or_dtype, "autocast dtype")
   except TypeError:
@@ -267,8 +268,8 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
   is and only its floating outputs are cast to the output dtype.
 
   ``"float8"``: the float32 matmuls of the half list (dot_general and
-  conv_general_dilated by default) run through `jmp_amp.fp8_dot_general` /
-  `jmp_amp.fp8_conv_general_dilated` with current scaling (no state): both
+  conv_general_dilated by default) run through `jmp_amp.fp8.dot_general` /
+  `jmp_amp.fp8.conv_general_dilated` with current scaling (no state): both
   operands rounded through float8_e4m3fn with per-tensor scales, the output
   cotangent through float8_e5m2 in the backward pass, results in the
   recipe's compute dtype (bfloat16). Everything else follows the bfloat16
@@ -310,7 +311,7 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
       `jmp_amp.get_policy` ("mixed_bfloat16" has bfloat16 outputs,
       "p=f32,c=bf16,o=f32" float32 ones); a floating dtype, meaning that
       compute dtype with float32 outputs; or ``"float8"`` (also "fp8",
-      "f8") or a current-scaling `jmp_amp.FP8Recipe`: FP8 matmuls (see
+      "f8") or a current-scaling `jmp_amp.fp8.FP8Recipe`: FP8 matmuls (see
       above) with float32 outputs.
     rules: the `AutocastRules`; default `DEFAULT_AUTOCAST_RULES`.
 

@@ -1,0 +1,40 @@
+"""FP8 matmuls: E4M3 operands forward, E5M2 gradients backward, per tensor.
+
+The building blocks, for code that calls matmuls itself: `dot_general`,
+`einsum` and `conv_general_dilated` take the arguments of their `jax.lax` /
+`jax.numpy` namesakes plus an `FP8Recipe` (current scaling by default, or
+`delayed_scaling`) and, for delayed scaling, the amax histories (`FP8State`)
+the training loop carries. Compiled for Hopper GPUs, XLA turns them into FP8
+cuBLAS GEMMs and cuDNN convolutions; elsewhere they compute with the
+FP8-rounded values, so the numerics are FP8's on every backend.
+
+Flax models get FP8 through a rule value of `jmp_amp.flax.set_policies`
+(``"float8"`` or an `FP8Recipe`), plain functions through
+``jmp_amp.autocast(fn, "float8")``.
+
+Example:
+  >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+  >>> jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ()))).dtype
+  dtype(bfloat16)
+  >>> recipe = jmp_amp.fp8.delayed_scaling(history_len=4)
+  >>> state = jmp_amp.fp8.FP8State(*(jnp.zeros(4) for _ in range(3)))
+  >>> y = jmp_amp.fp8.einsum("ab,bc->ac", x, w, state=state, recipe=recipe)
+  >>> y.tolist()[0]
+  [1.5, 1.5, 1.5, 1.5]
+"""
+
+from jmp_amp._src.fp8 import conv_general_dilated
+from jmp_amp._src.fp8 import delayed_scaling
+from jmp_amp._src.fp8 import dot_general
+from jmp_amp._src.fp8 import einsum
+from jmp_amp._src.fp8 import FP8Recipe
+from jmp_amp._src.fp8 import FP8State
+
+__all__ = (
+    "FP8Recipe",
+    "FP8State",
+    "conv_general_dilated",
+    "delayed_scaling",
+    "dot_general",
+    "einsum",
+)
