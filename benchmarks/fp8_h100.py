@@ -6,10 +6,12 @@ compile-only target, GEMMs as cuBLAS calls), three ways, and lists the GEMMs
 of the optimized program with their operand dtypes (spelled as XLA does:
 ``f8e4m3fn``):
 
-* ``mlp``, ``gpt``: `jmp_amp.flax.set_fp8` on the bf16 model (the first and
-  last matmul layers, in call order, excluded);
-* ``*-rules``: ``set_policies(model, fp8_rules(), example_args=...)`` on the
-  float32 model (the same FP8 layers; norms float32, the rest bf16);
+* ``mlp``, ``gpt``: ``set_policies(model, {"*": "float8"}, example_args=...)``
+  on the bf16 model (the first and last matmul layers, in call order,
+  excluded);
+* ``*-rules``: ``set_policies(model, mixed_rules() | {"*": "float8"},
+  example_args=...)`` on the float32 model (the same FP8 layers; norms
+  float32, the rest bf16);
 * ``*-autocast``: ``make_train_step(..., autocast="float8")`` on the float32
   model: every float32 matmul, attention contractions and the head included.
 
@@ -74,7 +76,7 @@ def _train_step(loss_fn):
 
   def step(graphdef, state, batch):
     model, opt = nnx.merge(graphdef, state)
-    grad_fn = flax_fp8.fp8_value_and_grad(lambda m: loss_fn(m, batch))
+    grad_fn = flax_fp8.value_and_grad(lambda m: loss_fn(m, batch))
     _, grads = grad_fn(model)
     opt.update(model, grads)
     return nnx.state((model, opt))
@@ -105,10 +107,12 @@ def _abstract(build, tx):
 
 def _apply(how, model, example_args):
   if how == "set_fp8":
-    return flax_fp8.set_fp8(model, example_args=example_args)
-  if how == "rules":
-    return jmp_amp.flax.set_policies(model, jmp_amp.flax.fp8_rules(),
+    return jmp_amp.flax.set_policies(model, {"*": "float8"},
                                      example_args=example_args)
+  if how == "rules":
+    return jmp_amp.flax.set_policies(
+        model, jmp_amp.flax.mixed_rules() | {"*": "float8"},
+        example_args=example_args)
   return model  # autocast: the float32 model, FP8 inside the step
 
 
@@ -145,7 +149,7 @@ CASES = {"mlp": (_mlp_case, "set_fp8"), "gpt": (_gpt_case, "set_fp8"),
 def run_case(name: str) -> dict:
   case, how = CASES[name]
   build, batch, loss = case(how)
-  fp8_layers = sorted(flax_fp8.fp8_modules(nnx.eval_shape(build)))
+  fp8_layers = sorted(flax_fp8.histories(nnx.eval_shape(build)))
   tx = optax.sgd(1e-3)
   if how == "autocast":
     # make_train_step needs loss_scaling; FP8 needs no loss scale.
@@ -171,8 +175,9 @@ def run_case(name: str) -> dict:
   # The matmul audit's own spelling of the same GEMMs.
   audit = {"by_signature": report.matmuls.counts_by_signature()}
   return dict(
-      applied_with={"set_fp8": "jmp_amp.flax.set_fp8",
-                    "rules": "jmp_amp.flax.set_policies(fp8_rules())",
+      applied_with={"set_fp8": "jmp_amp.flax.set_policies({'*': 'float8'})",
+                    "rules": "jmp_amp.flax.set_policies(mixed_rules() | "
+                             "{'*': 'float8'})",
                     "autocast": "make_train_step(autocast='float8')"}[how],
       fp8_layers=fp8_layers,
       gemm_signatures=dict(sig),

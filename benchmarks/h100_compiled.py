@@ -7,7 +7,7 @@ compiler's figures are written to benchmarks/results/h100_compiled.json:
 GEMMs by dtype (the share of GEMM FLOPs in a half dtype and in FP8),
 kernels, GPU temp/argument memory, an estimate of bytes moved, and their
 ratios to float32, for every mode of `jmp-amp bench` but float32-highest
-(FP8: ``fp8`` is `jmp_amp.flax.fp8_rules`, ``autocast-fp8`` is
+(FP8: ``fp8`` is ``mixed_rules() | {"*": "float8"}``, ``autocast-fp8`` is
 ``jmp_amp.autocast(..., "float8")``). Compiler figures, not timings.
 
     JAX_PLATFORMS=cpu python benchmarks/h100_compiled.py          # all, + plot

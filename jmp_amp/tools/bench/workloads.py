@@ -23,7 +23,8 @@ import jmp_amp
 
 # name -> (policy string or None, loss scale maker or None, matmul precision,
 #          autocast policy or None; "float8" = FP8 matmuls: the policy through
-#          `jmp_amp.flax.fp8_rules`, autocast through `jmp_amp.autocast`)
+#          `mixed_rules() | {"*": "float8"}`, autocast through
+#          `jmp_amp.autocast`)
 JAX_MODES: dict[str, dict[str, Any]] = {
     "float32": dict(policy="float32", scale=None),
     "float32-highest": dict(policy="float32", scale=None, precision="highest"),
@@ -101,7 +102,7 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
 
   if mode.get("policy") == "float8":
     # FP8 matmuls but the first and last, norms float32, the rest bf16.
-    jflax.set_policies(model, jflax.fp8_rules())
+    jflax.set_policies(model, jflax.mixed_rules() | {"*": "float8"})
   elif mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
     jflax.set_policies(model, jflax.mixed_rules(half))
