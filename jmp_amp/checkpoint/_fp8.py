@@ -31,7 +31,7 @@ def _jmp_flax() -> Optional[Any]:
   exists otherwise, and this package must not import Flax."""
   if _nnx.flax_nnx() is None:
     return None
-  from jmp_amp import flax as jmp_flax  # pylint: disable=g-import-not-at-top
+  from jmp_amp.flax import fp8 as jmp_flax  # pylint: disable=g-import-not-at-top
   return jmp_flax
 
 
