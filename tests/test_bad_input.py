@@ -96,6 +96,10 @@ def test_bad_policy(case):
 
 _F32_RANGE = r"float32's normal range \[1.175494e-38, 3.402823e\+38\]"
 LOSS_SCALE_CASES = {
+    "dynamic int64 beyond int32": (
+        lambda: jmp_amp.DynamicLossScale(np.int64(2**40)), ValueError,
+        r"DynamicLossScale.loss_scale 1099511627776 \(int64 scalar\) does not "
+        r"fit int32, the dtype JAX stores a int64 in .*pass a float"),
     "static zero": (lambda: jmp_amp.StaticLossScale(0), ValueError,
                     r"StaticLossScale.loss_scale must be a finite number > 0, "
                     r"got 0.0; accepted: a real scalar .*" + _F32_RANGE),

@@ -105,7 +105,14 @@ def _check_scale_value(value: Any, name: str, *, allow_abstract: bool) -> None:
         return
       raise ValueError(f"{name} must be concrete here, got {_describe(value)}")
     v = float(np.asarray(value))
-    lo, hi = _bounds(dtype)
+    stored = jax.dtypes.canonicalize_dtype(dtype)
+    if (jnp.issubdtype(dtype, jnp.integer) and stored != dtype
+        and float(np.asarray(value).astype(stored)) != v):
+      raise ValueError(
+          f"{name} {_describe(value)} does not fit {stored}, the dtype JAX "
+          f"stores a {dtype} in (64-bit types are off); pass a float, e.g. "
+          f"{v!r} or jnp.float32({v!r}); " + _SCALE_HELP)
+    lo, hi = _bounds(stored if jnp.issubdtype(dtype, jnp.integer) else dtype)
     lo, hi = max(lo, float(_F32.tiny)), min(hi, float(_F32.max))
   if not (math.isfinite(v) and lo <= v <= hi):
     why = ""
