@@ -133,8 +133,7 @@ def v_jmp_amp(opt_name, lr, loss_scale, **kwargs):
 
   def step(state, batch):
     params, opt_state = state
-    scale = jmp_amp.get_loss_scale(opt_state)
-    grads = jax.grad(lambda p: scale.scale(loss_fn(p, batch)))(params)
+    _, grads = jmp_amp.scaled_value_and_grad(loss_fn, opt_state)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return ((optax.apply_updates(params, updates), opt_state),
             jnp.logical_not(opt_state.grads_finite).astype(jnp.int32))
