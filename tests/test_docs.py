@@ -36,6 +36,7 @@ import json
 import pathlib
 import re
 import shlex
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -169,7 +170,10 @@ def run_chain(chain: list[tuple[Block, Optional[Block]]]) -> None:
   flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
   for block, output in chain:
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+      # jmp_amp's deprecated aliases warn so; the docs teach what replaces them.
+      warnings.filterwarnings("error", "jmp_amp.* is deprecated",
+                              DeprecationWarning)
       exec(compile(block.source, f"{block.page}:{block.line}", "exec"),  # pylint: disable=exec-used
            namespace)
     if output is not None:
@@ -314,6 +318,11 @@ def test_outputs_continuations_and_requirements_are_read():
   assert third[1] is None and requirements(third[0]) == ["torch"]
   with pytest.raises(AssertionError, match="the output block at line 15"):
     run_chain([first, second])
+  with pytest.raises(DeprecationWarning, match="jmp_amp.old"):
+    run_chain(chains(blocks(
+        "```python\nimport warnings\nwarnings.warn('jmp_amp.old is "
+        "deprecated and will be removed', DeprecationWarning)\n```\n",
+        "p"))[0])
   with pytest.raises(AssertionError, match="unknown directive"):
     requirements(blocks("<!-- docs: requires torch -->\n```python\n```\n",
                         "p")[0])
