@@ -3,14 +3,14 @@ amax histories restored.
 
 An FP8 op's recipe (`margin`, `history_len`, the FP8 dtypes, ...) is static,
 like a loss scale's hyper-parameters, so orbax's array checkpoint does not hold
-it: `recipes` describes the recipes of the FP8 ops (`jmp_amp.flax.FP8Op`) in a
-tree's NNX modules for the saved metadata, and restore compares them. The
+it: `recipes` describes the recipes of the FP8 ops (`jmp_amp.flax.fp8.FP8Op`)
+in a tree's NNX modules for the saved metadata, and restore compares them. The
 histories are arrays; `check_histories` refuses any that is not finite and
 >= 0 (an amax is an absolute value, and a non-finite one is never recorded),
 whether it sits in an `FP8State` or in an NNX `FP8Meta` variable.
 
-The one place this package looks up FP8 names (`jmp_amp.FP8Recipe`,
-`jmp_amp.FP8State`, `jmp_amp.flax.FP8Op`, `jmp_amp.flax.FP8Meta`).
+The one place this package looks up FP8 names (`jmp_amp.fp8.FP8Recipe`,
+`jmp_amp.fp8.FP8State`, `jmp_amp.flax.fp8.FP8Op`, `jmp_amp.flax.fp8.FP8Meta`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jmp_amp.checkpoint import _nnx
 
 
 def _jmp_flax() -> Optional[Any]:
-  """`jmp_amp.flax` (its FP8Op, FP8Meta) where Flax is in use: no FP8 op
+  """`jmp_amp.flax.fp8` (its FP8Op, FP8Meta) where Flax is in use: no FP8 op
   exists otherwise, and this package must not import Flax."""
   if _nnx.flax_nnx() is None:
     return None
@@ -35,7 +35,7 @@ def _jmp_flax() -> Optional[Any]:
   return jmp_flax
 
 
-def recipe_spec(recipe: jmp_amp.FP8Recipe) -> dict[str, Any]:
+def recipe_spec(recipe: jmp_amp.fp8.FP8Recipe) -> dict[str, Any]:
   """`recipe`'s fields as JSON values (dtypes by name)."""
   def jsonable(v):
     return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
@@ -64,13 +64,13 @@ def recipes(tree: Any) -> dict[str, dict[str, Any]]:
 def _histories(tree: Any) -> list[tuple[str, Any]]:
   """``(path, history)`` of every amax history in `tree`."""
   jmp_flax = _jmp_flax()
-  kinds = (jmp_amp.FP8State,) + (
+  kinds = (jmp_amp.fp8.FP8State,) + (
       (jmp_flax.FP8Meta,) if jmp_flax is not None else ())
   out = []
   for path, x in jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: isinstance(x, kinds))[0]:
     name = jax.tree_util.keystr(path) or "<root>"
-    if isinstance(x, jmp_amp.FP8State):
+    if isinstance(x, jmp_amp.fp8.FP8State):
       out += [(f"{name}.{field}", getattr(x, field)) for field in x._fields]
     elif isinstance(x, kinds):
       out.append((name, _nnx.value(x)))
