@@ -22,12 +22,12 @@ from jmp_amp._src.policy import cast_to_full
 from jmp_amp._src.policy import cast_to_half
 from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
-from jmp_amp._src.scaling import get_loss_scale  # Deprecated, see below.
-from jmp_amp._src.scaling import get_scaling_state
 from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
-from jmp_amp._src.scaling import scaled_value_and_grad
-from jmp_amp._src.scaling import scaling_metrics
+from jmp_amp._src.scaling_state import get_loss_scale  # Deprecated, see below.
+from jmp_amp._src.scaling_state import get_scaling_state
+from jmp_amp._src.scaling_state import scaled_value_and_grad
+from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
 from jmp_amp import tools as _tools
