@@ -405,6 +405,7 @@ def _custom_args():
   return ws, x
 
 
+@pytest.mark.slow
 def test_custom_vjp_closing_over_array_grad_issue_example():
   ws, x = _custom_args()
   loss = lambda w, x: jnp.sum(_mix(x @ w))
@@ -466,6 +467,7 @@ def test_custom_jvp_closing_over_array_forward_mode():
 # ---- Composition, idempotence, identity. ----------------------------------
 
 
+@pytest.mark.slow
 def test_jit_and_vmap(mlp):
   params, x, y = mlp
   g = jmp_amp.autocast(mlp_loss, MIXED_BF16)
@@ -653,6 +655,7 @@ _fast_jit = functools.partial(jax.jit, compiler_options={
     "xla_llvm_disable_expensive_passes": True})
 
 
+@pytest.mark.slow
 def test_gpt():
   from flax import nnx
   models = _models()
@@ -683,6 +686,7 @@ def test_gpt():
   _assert_rel_close(grads, grads32, 5e-2)
 
 
+@pytest.mark.slow
 def test_resnet_train_step_with_batch_norm():
   from flax import nnx
   models = _models()
@@ -766,6 +770,7 @@ def _raw_out_dtypes(jaxpr):
   return dts
 
 
+@pytest.mark.slow
 def test_gpt_activations_between_layers_stay_half():
   # Biases and residuals added to half matmuls stay half (torch's addmm), so
   # what flows from block to block is half; norms, softmax and loss are not.

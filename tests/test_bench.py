@@ -124,6 +124,7 @@ def test_wide_terminal_shows_every_column(tiny_runs):
   assert "f32 x f32 -> f32" in wide.splitlines()[3]  # in the float32 row
 
 
+@pytest.mark.slow
 def test_module_entry_point_fits_columns_80(tmp_path):
   # From a directory holding its own models.py: the bench must use
   # jmp_amp.models, never a top-level `models` found in the current directory.
@@ -282,6 +283,7 @@ def test_failing_mode_is_reported_in_full_and_others_still_run(
   assert "1 failed (bf16)" in out
 
 
+@pytest.mark.slow
 def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   flags = [*TINY, "--policy", "fp16", "--policy", "float32", "--repeats", "1"]
   isolated, in_process, alone = (tmp_path / n for n in ("i", "p", "a"))
@@ -298,6 +300,7 @@ def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   assert iso[0]["peak_memory_bytes"] != iso[1]["peak_memory_bytes"]
 
 
+@pytest.mark.slow
 def test_repeats_train_the_same_steps_each_time(tmp_path):
   one, three = tmp_path / "1", tmp_path / "3"
   flags = [*TINY, "--policy", "fp16"]
@@ -310,6 +313,7 @@ def test_repeats_train_the_same_steps_each_time(tmp_path):
   assert re.fullmatch(r"[0-9.]+", f"{b['step_spread']}")
 
 
+@pytest.mark.slow
 def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   path = tmp_path / "fp8.jsonl"
   assert cli.main(["bench", *TINY, "--policy", "float32", "--policy",
@@ -351,6 +355,7 @@ def test_plot_path_matplotlib_cannot_write_fails_before_running(
     assert ".pdf" in err and ".svg" in err
 
 
+@pytest.mark.slow
 def test_reader_closing_the_pipe_ends_quietly(tmp_path):
   # `jmp-amp bench | head -1`: here the reader is gone before the report is
   # printed, so the report's write always meets a closed pipe.
@@ -368,6 +373,7 @@ def test_reader_closing_the_pipe_ends_quietly(tmp_path):
   assert "BrokenPipeError" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_every_step_skipped_is_what_the_verdict_says(tmp_path, capsys):
   # From float32's largest scale, every fp16 step overflows and is skipped.
   path = tmp_path / "skipped.jsonl"
@@ -389,6 +395,7 @@ def test_verdict_claims_nothing_when_no_mode_ran():
   assert table.verdict([failed]) == "Verdict: 1 failed (float32)."
 
 
+@pytest.mark.slow
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
   # Pipes for stdout and stderr, as in CI or `| tee`: one line per mode as it
   # starts and ends, on stderr, while the bench runs.

@@ -251,6 +251,7 @@ def test_cast_dtypes_casts_on_purpose(saved):
       state["params"]["dense0"]["w"].astype(jnp.bfloat16))
 
 
+@pytest.mark.slow
 def test_nnx_model_and_optimizer_resume_in_place(tmp_path):
   nnx = pytest.importorskip("flax.nnx")
   jflax = pytest.importorskip("jmp_amp.flax")

@@ -57,6 +57,7 @@ def _train(policy_name, loss_scale, steps=300):
   return accuracy, params, state
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_match_float32_accuracy_on_digits():
   acc32, _, _ = _train("float32", jmp_amp.NoOpLossScale())
   acc_bf16, p_bf16, _ = _train("p=f32,c=bf16,o=f32", jmp_amp.NoOpLossScale())

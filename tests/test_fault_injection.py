@@ -58,6 +58,7 @@ def _long_run():
 
 # One test, not one per property: a module fixture would be recomputed on
 # each pytest-xdist worker that runs a piece of it.
+@pytest.mark.slow
 def test_long_run_with_injected_faults():
   faults, (state, ok, metrics), clean_run, compiles = _long_run()
   assert faults.size >= 50

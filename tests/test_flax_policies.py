@@ -217,6 +217,7 @@ def test_norms_take_half_inputs_and_compute_and_return_float32():
   assert out.dtype == HALF["float16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(NNX_MODELS))
 def test_nnx_float32_policy_matches_unpoliced_bit_for_bit(name):
   build, make_input = NNX_MODELS[name]
@@ -595,6 +596,7 @@ def test_linen_path_rules_inheritance_and_warnings():
                            mutable=["batch_stats"])
 
 
+@pytest.mark.slow
 def test_linen_policies_stay_inside_their_apply():
   x = tm.mlp_batch(2)[0]
   module = tm.linen_mlp()

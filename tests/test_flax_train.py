@@ -66,6 +66,7 @@ NNX_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,compute", [
     ("mlp", "bfloat16"), ("mlp", "float16"), ("resnet", "float16"),
     ("gpt", "float16"), ("knobless_gpt", "bfloat16")])
@@ -209,6 +210,7 @@ def test_linen_mlp_trains_like_the_nnx_mlp():
   assert int(metrics["steps"]) == 8 and int(metrics["skipped_steps"]) == 0
 
 
+@pytest.mark.slow
 def test_linen_resnet_trains_and_skipped_steps_keep_batch_stats():
   rules = jf.mixed_rules("float16")
   module = tm.linen_resnet()

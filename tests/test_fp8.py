@@ -481,6 +481,7 @@ def test_deprecated_set_fp8_bad_selectors_raise():
     flax_fp8.set_fp8(nnx.Embed(8, 4, rngs=nnx.Rngs(0)), include=["*"])
 
 
+@pytest.mark.slow
 def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
   model = models.GPT(vocab_size=32, d_model=16, num_heads=2, num_layers=2,
                      max_len=8, rngs=nnx.Rngs(0))
@@ -546,6 +547,7 @@ def _rounded(x):
                         rngs=nnx.Rngs(0)), (2, 3, 8)),
     (lambda: nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)), (2, 6, 6, 3)),
 ])
+@pytest.mark.slow
 def test_einsum_and_conv_run_in_fp8(make, x_shape):
   x = jnp.asarray(np.random.default_rng(0).standard_normal(x_shape),
                   jnp.float32)
@@ -624,6 +626,7 @@ def test_delayed_scaling_state_updates_in_jitted_step():
   assert not nnx.state(opt, flax_fp8.FP8Meta)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_is_bitwise(tmp_path):
   checkpoint = pytest.importorskip("jmp_amp.checkpoint")
   recipe = fp8.delayed_scaling(history_len=4)
@@ -693,6 +696,7 @@ def _train_digits(setup, steps=300):
   return float((logits.argmax(-1) == yt).mean()), model
 
 
+@pytest.mark.slow
 def test_fp8_digits_within_two_points_of_float32():
   acc32, _ = _train_digits(lambda m: m)
   all_fp8 = lambda recipe: lambda m: jmp_amp.flax.set_policies(
@@ -717,6 +721,7 @@ def _train_gpt(setup, steps=300):
   return np.mean(losses[-10:]), model
 
 
+@pytest.mark.slow
 def test_fp8_gpt_final_loss_within_3_percent_of_bf16():
   # bf16 model vs the same model with the default FP8 rules (6 of its 8
   # Linear layers in FP8), same data and steps.
@@ -827,6 +832,7 @@ def _classification_batch(n=64, seed=1):
           jnp.asarray(rng.integers(0, 10, n), jnp.int32))
 
 
+@pytest.mark.slow
 def test_autocast_float8_loss_and_grads_close_to_float32():
   # FP8 E4M3 rounds each operand to 3 mantissa bits (relative error up to
   # 2**-4 = 6 %, about 2 % RMS), E5M2 each output gradient to 2 bits (up to
@@ -874,6 +880,7 @@ def test_autocast_float8_matmuls_are_fp8_forward_and_backward():
   assert out_dtypes["dot_general"] == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_autocast_float8_under_remat_scan_and_conv():
   w = jnp.asarray(np.random.default_rng(0).standard_normal((3, 8, 8)) / 3,
                   jnp.float32)

@@ -41,6 +41,7 @@ def reference_rule(flags, scale, period, factor, backoff, min_scale, max_scale,
   return trajectory
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(flags=st.lists(st.booleans(), min_size=1, max_size=60),
        period=st.integers(1, 5),
@@ -293,6 +294,7 @@ def test_eq_is_python_bool_outside_jit_and_array_inside():
   assert (jmp_amp.NoOpLossScale() == jmp_amp.NoOpLossScale()) is True
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(flags=st.lists(st.booleans(), min_size=1, max_size=80),
        dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16,

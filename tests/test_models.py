@@ -305,6 +305,7 @@ def test_resnet_dtype_knob_keeps_batch_stats_float32():
   assert dtypes == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_resnet_adam_reduces_cross_entropy(resnet):
   # Fitting one batch: a few steps are enough to see the loss fall.
   batch = data_lib.image_batch(16, 10, seed=0)
@@ -380,6 +381,7 @@ def test_gpt_dtype_knob_reaches_attention():
       jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_gpt_adam_reduces_lm_loss(gpt):
   batches = []
   for i in range(25):

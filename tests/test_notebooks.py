@@ -51,6 +51,7 @@ def test_notebook_is_stored_executed_and_small(path):
   assert path.stat().st_size < MAX_BYTES, (path.name, path.stat().st_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, jupyter_path):
   before = path.read_bytes()
