@@ -237,3 +237,16 @@ def test_import_jmp_amp_is_light():
   result = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, check=False)
   assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_error_text_gives_fp16_one_meaning():
+  # 'fp16' alone is the bench's mixed recipe; the error text must not also
+  # list it among the dtype names that mean "all three in that dtype".
+  with pytest.raises(ValueError) as err:
+    jmp_amp.get_policy("no_such_policy")
+  text = str(err.value)
+  assert text.count("'fp16'") == 1 and "= mixed_float16" in text
+  dtype_names = text.split("a dtype name for all three (")[1].split(")")[0]
+  assert "fp16" not in dtype_names.split(", ")
+  assert str(jmp_amp.get_policy("fp16")) == "p=f32,c=f16,o=f16"
+  assert str(jmp_amp.get_policy("c=fp16")) == "p=f32,c=f16,o=f16"

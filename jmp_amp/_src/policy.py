@@ -102,13 +102,16 @@ _KEYS = {"p": "p", "params": "p", "param": "p",
 
 _GRAMMAR_HELP = (
     "Accepted: a dtype name for all three ({names}); a Keras policy name "
-    "({keras}); 'fp16' (= mixed_float16, as in `jmp-amp bench`); or comma-separated key=dtype parts with keys "
+    "({keras}); 'fp16' (= mixed_float16, as in `jmp-amp bench`; as a part, "
+    "'c=fp16', it is the dtype); or comma-separated key=dtype parts with keys "
     "params/p, compute/c, output/o, e.g. 'params=float32,compute=bfloat16,"
     "output=float32' or 'p=f32,c=bf16,o=f32'.")
 
 
 def _grammar_help() -> str:
-  return _GRAMMAR_HELP.format(names=", ".join(dtypes.ACCEPTED_DTYPE_NAMES),
+  # "fp16" alone is a mode (listed once, below), not a dtype for all three.
+  names = [n for n in dtypes.ACCEPTED_DTYPE_NAMES if n not in _MODE_POLICIES]
+  return _GRAMMAR_HELP.format(names=", ".join(names),
                               keras=", ".join(_KERAS_POLICIES))
 
 
