@@ -12,6 +12,7 @@ import sys
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
 
 _NOTHING = object()  # no `restored` tree given
 
@@ -57,8 +58,11 @@ def _map_objects(fn: Callable[..., Any], tree: Any,
 
 
 def saveable(tree: Any) -> Any:
-  """`tree` with NNX modules/optimizers replaced by their `nnx.state`."""
-  return _map_objects(lambda nnx, obj: nnx.state(obj), tree)
+  """`tree` with NNX modules/optimizers replaced by their `nnx.state`, and
+  NumPy scalars by 0-d arrays (orbax 0.11 refuses to save a NumPy scalar)."""
+  return jax.tree.map(
+      lambda x: np.asarray(x) if isinstance(x, np.generic) else x,
+      _map_objects(lambda nnx, obj: nnx.state(obj), tree))
 
 
 def update_objects(target: Any, restored: Any) -> Any:
