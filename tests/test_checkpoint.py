@@ -827,7 +827,7 @@ def test_latest_step_reports_only_committed_steps(saved_copy, leftover):
 
 
 _SAVER = r"""
-import os, signal, sys
+import os, signal, sys, time
 import jax.numpy as jnp
 import numpy as np
 from jmp_amp import checkpoint
@@ -838,6 +838,12 @@ big = np.random.default_rng(0).normal(size=size).astype(np.float32)
 mngr = checkpoint.CheckpointManager(directory, async_save=True)
 # Returns once the arrays are on the host; orbax writes them in the background.
 mngr.save(2, {"w": jnp.asarray(big[:16]), "big": jnp.asarray(big)})
+# Kill once step 2's write has begun (its directory exists, under a temporary
+# name until orbax commits it), so that the kill lands mid-write, not before.
+for _ in range(2000):
+  if set(os.listdir(directory)) - {"1"}:
+    break
+  time.sleep(0.005)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
