@@ -63,20 +63,7 @@ DEPRECATED = ("get_loss_scale", "set_fp8", "fp8_rules", "clear_fp8",
 # Blocks of pages kept by others that do not run as written yet, by page and
 # first line, with the reason. Strict: once such a block runs, its entry must
 # go; once it is edited, it must run.
-NOT_YET_RUNNABLE = {
-    ("docs/reliability.md", "from jax.sharding import Mesh, NamedSharding, "
-     "PartitionSpec as P"): "a fragment: `state`, `train_step` are not defined",
-    ("docs/reliability.md", "opt = jmp_amp.loss_scaling(optax.adam(1e-3), "
-     "jmp_amp.DynamicLossScale(2.0 ** 15),"): "a fragment: `mesh`, "
-    "`per_device_step` are not defined",
-    ("docs/reliability.md", "from jmp_amp import checkpoint           # "
-     "separate submodule; needs orbax-checkpoint"): "a fragment: `params`, "
-    "`opt_state` are not defined",
-    ("docs/reliability.md", "state, step = checkpoint.restore_latest("
-     "\"/ckpt/run1\", target=state)   # fallback=True"): "a fragment",
-    ("docs/reliability.md", "from jmp_amp import testing as jt"):
-        "a fragment: `grads`, `step`, `key` are not defined",
-}
+NOT_YET_RUNNABLE: dict = {}
 # Pages whose prose quotes figures that no file in benchmarks/results holds
 # (they come from test runs), with the reason.
 UNCHECKED_FIGURES = {
