@@ -17,7 +17,8 @@ Side by side in one process, on the same model, data and optimizer:
   ``stateless_apply`` (its inner optimizer is Keras's own, so its time also
   differs from optax's for reasons that have nothing to do with scaling:
   ``keras bare`` is that inner optimizer alone);
-* ``torch`` and ``torch GradScaler`` (CPU only): the same model in PyTorch.
+* ``torch`` and ``torch GradScaler`` (timed targets): the same model in
+  PyTorch (on a GPU under ``torch.autocast`` to float16).
 
 Workloads: ``adam20m``, an MLP of five 2048x2048 layers (21 M params), batch
 8, Adam; ``seed``, the PyTorch AMP recipe's MLP (3 x 4096x4096, batch 512,
@@ -25,13 +26,16 @@ SGD). Both compute in float16 with float32 master params. On the CPU the seed
 step is far too slow at full size (float16 matmuls have no fast path in
 XLA:CPU), so ``--target cpu`` times ``seed-cpu``: width 1024, batch 128.
 
-Two targets:
+Targets:
 
 * ``--target cpu`` (the default): step time in interleaved rounds (every
   variant runs ``--steps`` steps per round, in an order that rotates; the
   ratio to ``optax`` is taken within each round, then the median and the
   quartiles over rounds), plus XLA:CPU's compiled temp memory and its
   estimate of bytes accessed.
+* ``--target gpu``: the same timing on the local GPU (``adam20m`` and the
+  full-size ``seed``); temp memory and bytes from XLA:GPU's compiled
+  figures.
 * ``--target h100``: no timing. Compiles each step for an H100 on this
   CPU-only machine (`jmp_amp.tools.gpu_report`'s compile-only target, the
   ``gpu-audit`` extra) and reports kernels, GEMMs, temp memory and an
@@ -39,6 +43,8 @@ Two targets:
 
 Usage:
   python benchmarks/overhead.py --json benchmarks/results/overhead_cpu.json
+  python benchmarks/overhead.py --target gpu --rounds 15 --steps 20 \
+      --json benchmarks/results/overhead_gpu_h100.json
   JAX_PLATFORMS=cpu python benchmarks/overhead.py --target h100 \\
       --json benchmarks/results/overhead_h100.json
 """
@@ -268,12 +274,20 @@ def jax_variants(opt_name, lr, target):
 # torch (CPU).
 
 
-def torch_steps(widths, batch, opt_name, lr):
-  """{"torch": step, "torch GradScaler": step}, each a zero-arg callable."""
+def torch_steps(widths, batch, opt_name, lr, device="cpu"):
+  """{"torch": step, "torch GradScaler": step}, each a zero-arg callable.
+
+  On "cuda" both steps run under `torch.autocast` to float16, as the JAX
+  variants compute in float16; on the CPU they stay float32 (PyTorch's CPU
+  autocast to float16 has no fast kernels either).
+  """
   import torch  # pylint: disable=import-outside-toplevel
   torch.manual_seed(0)
   torch.set_num_threads(max(1, os.cpu_count() or 1))
-  x, y = (torch.from_numpy(np.asarray(a)) for a in make_batch(widths, batch))
+  x, y = (torch.from_numpy(np.asarray(a)).to(device)
+          for a in make_batch(widths, batch))
+  autocast = lambda: torch.autocast(device, dtype=torch.float16,
+                                    enabled=device == "cuda")
 
   def model():
     layers = []
@@ -281,7 +295,7 @@ def torch_steps(widths, batch, opt_name, lr):
       layers.append(torch.nn.Linear(i, o))
       if n < len(widths) - 2:
         layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers).to(device)
 
   def optimizer(net):
     if opt_name == "adam":
@@ -293,7 +307,8 @@ def torch_steps(widths, batch, opt_name, lr):
     opt = optimizer(net)
 
     def step():
-      loss = torch.nn.functional.mse_loss(net(x), y)
+      with autocast():
+        loss = torch.nn.functional.mse_loss(net(x).float(), y)
       loss.backward()
       opt.step()
       opt.zero_grad(set_to_none=True)
@@ -302,11 +317,12 @@ def torch_steps(widths, batch, opt_name, lr):
   def scaled():
     net = model()
     opt = optimizer(net)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE,
+    scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE,
                                   growth_interval=PERIOD)
 
     def step():
-      loss = torch.nn.functional.mse_loss(net(x), y)
+      with autocast():
+        loss = torch.nn.functional.mse_loss(net(x).float(), y)
       scaler.scale(loss).backward()
       scaler.step(opt)
       scaler.update()
@@ -346,7 +362,7 @@ def _cpu_compiled_figures(jitted, state, batch):
           "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0))}
 
 
-def run_cpu(workload, rounds, steps, skip=()):
+def run_cpu(workload, rounds, steps, skip=(), device="cpu"):
   widths, batch_size, opt_name, lr = WORKLOADS[workload]
   batch = make_batch(widths, batch_size)
   params = init_params(widths)
@@ -378,10 +394,14 @@ def run_cpu(workload, rounds, steps, skip=()):
 
   if "torch" not in skip:
     try:
-      for name, step in torch_steps(widths, batch_size, opt_name, lr).items():
+      import torch  # pylint: disable=import-outside-toplevel
+      for name, step in torch_steps(widths, batch_size, opt_name, lr,
+                                    device).items():
         def run(n, step=step):
           for _ in range(n):
             step()
+          if device == "cuda":
+            torch.cuda.synchronize()
         run(2)
         runners[name] = run
     except Exception as e:  # pylint: disable=broad-except
@@ -503,6 +523,8 @@ def environment(target):
       env[mod] = __import__(mod).__version__
     except Exception:  # pylint: disable=broad-except
       env[mod] = None
+  if target == "gpu":
+    env["device"] = jax.devices()[0].device_kind
   if target == "h100":
     env["target"] = "H100 SXM, compiled on a CPU-only machine (no GPU): " \
                     "compiler figures, not timings"
@@ -577,7 +599,7 @@ def run_compile(case, rounds):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--target", choices=["cpu", "h100", "compile"],
+  ap.add_argument("--target", choices=["cpu", "gpu", "h100", "compile"],
                   default="cpu")
   ap.add_argument("--workloads", default=None,
                   help="comma-separated; default adam20m,seed-cpu (cpu) or "
@@ -590,7 +612,7 @@ def main(argv=None):
                   help="h100: directory for the optimized HLO of each step")
   a = ap.parse_args(argv)
   skip = tuple(s for s in a.skip.split(",") if s)
-  default = "adam20m,seed" if a.target == "h100" else "adam20m,seed-cpu"
+  default = "adam20m,seed-cpu" if a.target == "cpu" else "adam20m,seed"
   workloads = (a.workloads or default).split(",")
   report = {"env": environment(a.target), "target": a.target, "workloads": []}
   if a.target == "compile":
@@ -601,14 +623,16 @@ def main(argv=None):
         "within a round, median over rounds")
     for w in (a.workloads or ",".join(COMPILE_CASES)).split(","):
       report["workloads"].append(run_compile(w, a.rounds))
-  elif a.target == "cpu":
+  elif a.target in ("cpu", "gpu"):
     report["method"] = (
         "interleaved rounds in one process; each round runs every variant for "
         f"{a.steps} steps (order rotating); ratios taken within a round, "
         "median and quartiles over rounds; temp/bytes from XLA:CPU's "
         "compiled memory_analysis/cost_analysis")
     for w in workloads:
-      report["workloads"].append(run_cpu(w, a.rounds, a.steps, skip))
+      report["workloads"].append(run_cpu(
+          w, a.rounds, a.steps, skip,
+          device="cuda" if a.target == "gpu" else "cpu"))
       print_rows({"workloads": report["workloads"][-1:]})
   else:
     report["method"] = (

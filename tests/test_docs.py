@@ -42,6 +42,8 @@ from typing import Any, Optional
 import jax
 import pytest
 
+from jmp_amp.tools import gpu_target
+
 from jmp_amp.tools.bench import cli as bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -53,8 +55,7 @@ PAGES = ["README.md"] + sorted(
 REQUIREMENTS = {
     "torch": lambda: importlib.util.find_spec("torch") is not None,
     "gpu": lambda: jax.default_backend() == "gpu",
-    "gpu-audit": lambda: importlib.util.find_spec("jax_cuda12_plugin")
-                         is not None,
+    "gpu-audit": gpu_target.has_cuda_plugin,
 }
 # Names that are deprecated: the docs teach their replacements only.
 DEPRECATED = ("get_loss_scale", "set_fp8", "fp8_rules", "clear_fp8",

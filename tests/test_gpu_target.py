@@ -6,7 +6,6 @@ extra) with ``JAX_PLATFORMS=cpu`` on a machine without a GPU, and are
 skipped otherwise.
 """
 
-import importlib.util
 import json
 import os
 
@@ -19,7 +18,7 @@ from jmp_amp.tools import gpu_target
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 NAMES = ("bf16_mlp_grad", "fp16_dots", "bf16_conv_grad", "f32_scan")
 LABEL = "compiled for H100, no GPU: compiler figures, not timings"
-HAS_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+HAS_PLUGIN = gpu_target.has_cuda_plugin()
 
 
 def fixture_text(name):

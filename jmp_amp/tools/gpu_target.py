@@ -225,6 +225,12 @@ def _check_target(target: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def has_cuda_plugin() -> bool:
+  """Whether a jax CUDA plugin (CUDA 12 or 13) is installed."""
+  return any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None
+             for v in (12, 13))
+
+
 def target_device(target: str = "h100"):
   """A compile-only device of `target` (no GPU needed).
 
@@ -233,7 +239,7 @@ def target_device(target: str = "h100"):
     RuntimeError: it is installed but registered no compile-only target.
   """
   _check_target(target)
-  if importlib.util.find_spec("jax_cuda12_plugin") is None:
+  if not has_cuda_plugin():
     raise ImportError(
         f"compiling for {_TARGET_NAMES[target]} needs the CUDA plugin: "
         f'pip install "jmp-amp[{EXTRA}]" (jax-cuda12-plugin and '
