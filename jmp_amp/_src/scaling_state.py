@@ -40,6 +40,23 @@ def scaled_value_and_grad(fun: Callable, opt_state: Any, *,
     >>> float(loss), grads["w"].tolist()  # gradients times 2**10
     (11.0, [3072.0, 4096.0])
   """
+  grad_fn = jax.grad(scaled_loss_fn(fun, opt_state, has_aux=has_aux),
+                     argnums=argnums, has_aux=True)
+
+  def value_and_grad(*args, **kwargs):
+    grads, (loss, out) = grad_fn(*args, **kwargs)
+    return ((loss, out[1]) if has_aux else loss), grads
+
+  return value_and_grad
+
+
+def scaled_loss_fn(fun: Callable, opt_state: Any, *,
+                   has_aux: bool = False) -> Callable:
+  """``fun`` with its loss scaled: returns ``(scaled loss, (loss, fun's out))``.
+
+  The one place the loss is scaled, for `scaled_value_and_grad` and for
+  steps that differentiate with another transform (`jmp_amp.flax`'s).
+  """
   loss_scale = get_scaling_state(opt_state).loss_scale
 
   def scaled(*args, **kwargs):
@@ -47,13 +64,7 @@ def scaled_value_and_grad(fun: Callable, opt_state: Any, *,
     loss = out[0] if has_aux else out
     return loss_scale.scale(loss), (loss, out)
 
-  grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True)
-
-  def value_and_grad(*args, **kwargs):
-    grads, (loss, out) = grad_fn(*args, **kwargs)
-    return ((loss, out[1]) if has_aux else loss), grads
-
-  return value_and_grad
+  return scaled
 
 
 def get_scaling_state(opt_state: Any) -> LossScalingState:

@@ -65,6 +65,7 @@ import numpy as np
 import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
 
@@ -233,7 +234,6 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     diff = nnx.Any(wrt, _fp8.FP8Meta)
     graphdef, _, rest = nnx.split(model, diff, ...)
     opt_state = _optax_state(optimizer)
-    loss_scale = jmp_amp.get_scaling_state(opt_state).loss_scale
 
     def forward(params, rest, batch):
       # copy: fresh Variables of this trace, which the forward pass may update.
@@ -243,14 +243,16 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
     fn = hook(forward) if hook is not None else forward
 
-    def scaled_loss(differentiated):
+    def loss_of(differentiated):
       _, params, inputs = nnx.split(differentiated, diff, ...)
       loss, aux, new_rest = fn(params, inputs, batch)
-      loss = jnp.asarray(loss, jnp.float32)
-      return loss_scale.scale(loss), (loss, aux, new_rest)
+      return jnp.asarray(loss, jnp.float32), (aux, new_rest)
 
-    (_, (loss, aux, new_rest)), grads = _fp8.value_and_grad(
-        scaled_loss, has_aux=True, wrt=wrt)(model)
+    # The loss is scaled as jmp_amp.scaled_value_and_grad scales it; the
+    # FP8-aware value_and_grad differentiates it.
+    (_, (loss, (_, (aux, new_rest)))), grads = _fp8.value_and_grad(
+        scaled_loss_fn(loss_of, opt_state, has_aux=True), has_aux=True,
+        wrt=wrt)(model)
     optimizer.update(model, grads)
     metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
 
@@ -381,8 +383,6 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
   def step(state: train_state.TrainState, batch: Any):
     cols = {name: getattr(state, name) for name in mutable
             if getattr(state, name, None) is not None}
-    loss_scale = jmp_amp.get_scaling_state(state.opt_state).loss_scale
-
     def forward(params, cols, batch):
       box = dict(cols)
 
@@ -400,13 +400,12 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
     fn = hook(forward) if hook is not None else forward
 
-    def scaled_loss(params):
+    def loss_of(params):
       loss, aux, new_cols = fn(params, cols, batch)
-      loss = jnp.asarray(loss, jnp.float32)
-      return loss_scale.scale(loss), (loss, aux, new_cols)
+      return jnp.asarray(loss, jnp.float32), (aux, new_cols)
 
-    grads, (loss, aux, new_cols) = jax.grad(scaled_loss, has_aux=True)(
-        state.params)
+    (loss, (aux, new_cols)), grads = jmp_amp.scaled_value_and_grad(
+        loss_of, state.opt_state, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
     new_cols = _like(dict(new_cols), cols)
