@@ -10,7 +10,8 @@ on the line before it, with the reason: ``<!-- docs: requires torch: why -->``
 
 Figures. A figure quoted in the prose carries, right after it, the place it
 comes from: ``0.55x<!-- fig: h100_compiled.json workloads.mlp.rows[mode=bf16]
-.temp_bytes_vs_float32 -->`` (a file in benchmarks/results/; a dotted path
+.temp_bytes_vs_float32 -->`` (a file in benchmarks/results/, JSON or JSON
+Lines, the latter read as a list of its records; a dotted path
 where ``[i]`` indexes a list and ``[key=value]`` picks the list item with that
 field; optionally ``*k`` or ``/k`` to convert units). The test reads the value
 and fails unless, rounded to the decimals quoted, it is the number written
@@ -204,6 +205,14 @@ def _split_path(path: str) -> list[str]:
   return parts + [current]
 
 
+def _load_result(name: str) -> Any:
+  """A results file: JSON, or JSON Lines (then a list of its records)."""
+  text = (RESULTS / name).read_text()
+  if name.endswith(".jsonl"):
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+  return json.loads(text)
+
+
 def lookup(data: Any, spec: str) -> float:
   """The number `spec` ("path [*k|/k]") names in `data`."""
   m = re.fullmatch(r"(.*?)(?:\s+([*/])\s*([\d.e+\-*]+))?", spec.strip(), re.S)
@@ -218,7 +227,7 @@ def lookup(data: Any, spec: str) -> float:
 
 def check_figures(text: str, page: str, load=None) -> list[str]:
   """Every marked figure of `text` against its source; returns the problems."""
-  load = load or (lambda name: json.loads((RESULTS / name).read_text()))
+  load = load or _load_result
   problems = []
   for m in _FIGURE.finditer(text):
     where = f"{page}:{text[:m.start()].count(chr(10)) + 1}"
