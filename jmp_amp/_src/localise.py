@@ -11,7 +11,8 @@ calls) are entered, so the culprit is a primitive; control flow (`cond`,
 Module paths come from the name stack: `jax.named_scope` scopes, which
 `jmp_amp.flax.numerics` puts around every Flax module call as ``@a.b.c``
 (the module ``a/b/c``); transformation wrappers (``jvp(...)``,
-``transpose(...)``) say whether the equation ran forward or backward.
+``transpose(...)``) are dropped. The forward pass is evaluated alone first,
+so a culprit found only with the gradient is reported as backward.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class NonFinite:
 
   Attributes:
     primitive: the JAX primitive, e.g. ``"dot_general"``, ``"mul"``.
-    direction: ``"forward"`` or ``"backward"`` (the equation belongs to the
-      transposed, i.e. gradient, computation).
+    direction: ``"forward"`` (the function's own computation) or
+      ``"backward"`` (only the gradient computation went non-finite).
     module: the module path (Flax models: the '/'-joined path rules use;
       plain functions: the `jax.named_scope` scopes), or None.
     source: ``file:line (function)`` of the Python code that emitted it.
@@ -86,16 +87,15 @@ class NonFinite:
     return "\n".join(lines)
 
 
-def strip_transforms(name_stack: str) -> tuple[str, bool]:
-  """(the name stack without transformation wrappers, whether transposed)."""
-  backward = "transpose(" in name_stack
-  return _WRAPPER.sub("", name_stack).replace(")", ""), backward
+def strip_transforms(name_stack: str) -> str:
+  """The name stack without transformation wrappers (``jvp(...)``)."""
+  return _WRAPPER.sub("", name_stack).replace(")", "")
 
 
 def module_of(name_stack: str) -> Optional[str]:
   """The module path of a name stack: its innermost ``@`` scope, else the
   user's scopes ('/'-joined), else None."""
-  stripped, _ = strip_transforms(name_stack)
+  stripped = strip_transforms(name_stack)
   segments = [s for s in stripped.split("/") if s]
   marked = [s for s in segments if s.startswith(MODULE_MARK)]
   if marked:
@@ -135,11 +135,11 @@ class _Found(Exception):
     self.report = report
 
 
-def _report(eqn, invals, outvals, name_stack: str) -> NonFinite:
+def _report(eqn, invals, outvals, name_stack: str, backward: bool
+            ) -> NonFinite:
   floats = [np.abs(np.asarray(x, np.float32)) for x in invals if _is_float(x)]
   finite = [a[np.isfinite(a)] for a in floats]
   largest = max([float(a.max()) for a in finite if a.size] + [0.0])
-  _, backward = strip_transforms(name_stack)
   return NonFinite(
       primitive=eqn.primitive.name,
       direction="backward" if backward else "forward",
@@ -163,7 +163,7 @@ def _sub_jaxpr(eqn):
       else None
 
 
-def _eval(jaxpr, args: Sequence[Any], prefix: str) -> list:
+def _eval(jaxpr, args: Sequence[Any], prefix: str, backward: bool) -> list:
   """Evaluates `jaxpr` eagerly; raises _Found at the first culprit."""
   consts = ()
   if isinstance(jaxpr, jex_core.ClosedJaxpr):
@@ -183,13 +183,13 @@ def _eval(jaxpr, args: Sequence[Any], prefix: str) -> list:
                      if s)
     sub = _sub_jaxpr(eqn)
     if sub is not None:
-      outs = _eval(sub, invals, stack)
+      outs = _eval(sub, invals, stack, backward)
     else:
       outs = eqn.primitive.bind(*invals, **eqn.params)
       if not eqn.primitive.multiple_results:
         outs = [outs]
       if not _all_finite(outs) and _all_finite(invals):
-        raise _Found(_report(eqn, invals, outs, stack))
+        raise _Found(_report(eqn, invals, outs, stack, backward))
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
@@ -212,7 +212,8 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   """The first equation of `fn` (forward, then backward) making inf/NaN.
 
   Runs outside `jit`, one primitive at a time: roughly the cost of running
-  ``jax.vjp(fn, *args)`` op by op without fusion, plus one host check per
+  `fn` and then ``jax.vjp(fn, *args)`` op by op without fusion (the first
+  call also compiles each distinct primitive), plus one host check per
   equation. Meant for the rare step that went non-finite.
 
   Example:
@@ -236,11 +237,16 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   """
   if not callable(fn):
     raise TypeError(f"find_nonfinite takes a function, got {fn!r}")
-  target = _with_vjp(fn) if backward else fn
-  closed = jax.make_jaxpr(target)(*args)
   leaves = jax.tree_util.tree_leaves(args)
-  try:
-    _eval(closed, leaves, "")
-  except _Found as found:
-    return found.report
+  # The forward pass alone first: whatever goes non-finite only in the
+  # gradient computation (its transposed equations, and the derivative
+  # coefficients the linearisation computes next to the primal values) is
+  # then "backward".
+  targets = [(fn, False)] + ([(_with_vjp(fn), True)] if backward else [])
+  for target, is_backward in targets:
+    closed = jax.make_jaxpr(target)(*args)
+    try:
+      _eval(closed, leaves, "", is_backward)
+    except _Found as found:
+      return found.report
   return None
