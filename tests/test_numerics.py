@@ -10,7 +10,7 @@ kind and direction once; the rest is marked slow.
 
 from __future__ import annotations
 
-import functools
+import re
 
 from flax import linen as nn
 from flax import nnx
@@ -267,15 +267,23 @@ def _gpt_training():
 
 
 def test_train_step_off_compiles_the_same_program_and_on_differs():
-  model, opt, loss_fn, tokens = _gpt_training()
-  text = lambda step: step.lower(model, opt, tokens).as_text()
+  model, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+
+  def text(step):  # The compiled HLO, without source locations.
+    hlo = step.lower(model, opt, batch).compile().as_text()
+    return re.sub(r",? metadata=\{[^}]*\}", "", hlo.split("\nFileNames")[0])
+
   plain = text(jmp_amp.flax.make_train_step(loss_fn))
   assert text(jmp_amp.flax.make_train_step(
       loss_fn, numerics=None, on_nonfinite=print)) == plain
   assert text(jmp_amp.flax.make_train_step(loss_fn, numerics="**")) != plain
 
 
-def test_train_step_telemetry_and_the_hook_report_once():
+@pytest.mark.slow
+def test_train_step_telemetry_and_the_hook_report_once_gpt():
   model, opt, loss_fn, tokens = _gpt_training()
   reports = []
   step = jmp_amp.flax.make_train_step(
@@ -305,6 +313,32 @@ def test_train_step_telemetry_and_the_hook_report_once():
   assert reports[0].fixed is True
   text = jmp_amp.numerics.format_stats(numerics, top=3)
   assert text.splitlines()[1].startswith("blocks/1/attn")
+
+
+def test_train_step_telemetry_and_the_hook_report_once_mlp():
+  model, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+  reports = []
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics="layers/*",
+                                      on_nonfinite=reports.append)
+  numerics = jax.device_get(step(model, opt, batch)["numerics"])
+  assert list(numerics) == ["layers/0", "layers/1", "layers/2"]
+  assert set(numerics["layers/0"]) == {"out", "grad"}
+  assert numerics["layers/2"]["grad"]["max_abs"] > 0 and not reports
+  kernel = model.layers[1].kernel
+  kernel[...] = kernel[...] * 1e5  # layers/1's float16 matmul overflows.
+  for _ in range(2):
+    metrics = step(model, opt, batch)
+  numerics = jax.device_get(metrics["numerics"])
+  assert numerics["layers/0"]["out"]["nonfinite"] == 0
+  assert numerics["layers/1"]["out"]["nonfinite"] > 0
+  assert len(reports) == 1, reports
+  assert (reports[0].module, reports[0].primitive) == ("layers/1",
+                                                       "dot_general")
+  text = jmp_amp.numerics.format_stats(numerics, top=2)
+  assert len(text.splitlines()) == 3 and "layers/" in text.splitlines()[1]
 
 
 def test_grad_stats_of_linen_params():
