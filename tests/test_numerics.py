@@ -10,6 +10,7 @@ kind and direction once; the rest is marked slow.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from flax import linen as nn
@@ -346,3 +347,26 @@ def test_grad_stats_of_linen_params():
                        "bias": jnp.array([2.0])}}
   s = fnum.grad_stats(None, grads, "**")["Dense_0"]
   assert float(s["max_abs"]) == 2.0 and float(s["nonfinite"]) == 1
+
+
+def test_linen_train_step_telemetry():
+  module = models.LinenMLP(8, 4, 2, width=16)
+  x, y = jnp.ones((2, 8)), jnp.zeros((2, 4))
+  rules = "mixed_float16"
+  variables = module.init(jax.random.key(0), x)
+  state = jmp_amp.flax.train.TrainState.create(
+      apply_fn=functools.partial(jmp_amp.flax.apply_with_policies, module,
+                                 rules),
+      params=variables["params"], tx=jmp_amp.loss_scaling(
+          optax.sgd(0.1), jmp_amp.NoOpLossScale()))
+  loss_fn = lambda m, b: jnp.mean((m(b[0]).astype(jnp.float32) - b[1]) ** 2)
+  step = jmp_amp.flax.make_linen_train_step(loss_fn, numerics="**",
+                                           donate=False)
+  _, metrics = step(state, (x, y))
+  numerics = jax.device_get(metrics["numerics"])
+  layers = sorted(variables["params"])
+  assert set(numerics) == {""} | set(layers)
+  assert all(set(numerics[p]) == {"out", "grad"} for p in layers)
+  out = jmp_amp.flax.apply_with_policies(module, rules, variables, x)
+  assert float(numerics[""]["out"]["max_abs"]) == pytest.approx(
+      float(jnp.max(jnp.abs(out.astype(jnp.float32)))), rel=1e-3)

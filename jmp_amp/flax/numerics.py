@@ -151,7 +151,9 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
   Args:
     model: the NNX model the calls go to (its modules, as they are when
       `watch` is entered; in a train step, the module the loss function
-      gets), or None for linen (every linen module called inside).
+      gets), or None for linen (every linen module called inside; a
+      top-level ``apply`` starts the record afresh, so it holds the last
+      one).
     select: the modules whose outputs are recorded (see the module
       docstring); None records nothing and only names the scopes.
 
@@ -160,13 +162,23 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
   """
   seen = Seen(_selector(select))
   if model is None:
+    depth = [0]
+
     def interceptor(next_fun, args, kwargs, context):
       module = context.module
       if module.scope is None or context.method_name == "setup":
         return next_fun(*args, **kwargs)
       path = "/".join(module.path)
-      with jax.named_scope(localise.encode_path(path)):
-        out = next_fun(*args, **kwargs)
+      if not path and not depth[0]:
+        # A new top-level apply: `apply_with_policies` first runs the model
+        # abstractly (`jax.eval_shape`), whose values must not be kept.
+        seen.outputs.clear()
+      depth[0] += 1
+      try:
+        with jax.named_scope(localise.encode_path(path)):
+          out = next_fun(*args, **kwargs)
+      finally:
+        depth[0] -= 1
       seen.record(path, module, out)
       return out
 

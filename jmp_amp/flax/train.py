@@ -397,6 +397,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
                           donate: bool = True,
                           jit: bool = True,
                           compiler_options: Optional[dict[str, Any]] = None,
+                          numerics: Any = None,
                           ) -> Callable[..., Any]:
   """Builds ``step(state, batch) -> (state, metrics)`` for a linen TrainState.
 
@@ -441,11 +442,17 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     jit: wrap the step in `jax.jit`.
     compiler_options: XLA options for `jax.jit`.
 
+    numerics: None, or the modules whose output and param-gradient
+      statistics go to ``metrics["numerics"]``, as for `make_train_step`
+      (paths as `apply_with_policies` sees them, e.g. ``"Dense_0"``).
+
   Returns:
     The step function.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+  if numerics is not None:
+    numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
   if isinstance(mutable, str):
     mutable = (mutable,)
   hook = _autocast_hook(autocast)
@@ -467,8 +474,12 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
         box.update(updates)
         return out
 
-      loss, aux = _split_loss(loss_fn(model, batch), has_aux)
-      return loss, aux, box
+      if numerics is None:
+        loss, aux = _split_loss(loss_fn(model, batch), has_aux)
+        return loss, aux, box
+      with numerics_lib.watch(None, numerics) as seen:
+        loss, aux = _split_loss(loss_fn(model, batch), has_aux)
+      return loss, (aux, seen.outputs), box
 
     fn = hook(forward) if hook is not None else forward
 
@@ -479,8 +490,13 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
     grads, (loss, aux, new_cols) = jax.grad(scaled_loss, has_aux=True)(
         state.params)
+    if numerics is not None:
+      aux, outputs = aux
+      grad_stats = numerics_lib.grad_stats(None, grads, numerics)
     state = state.apply_gradients(grads=grads)
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
+    if numerics is not None:
+      metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
     new_cols = _like(dict(new_cols), cols)
     if revert_on_skip:
       new_cols = where_tree(metrics["grads_finite"], new_cols, cols)
