@@ -84,7 +84,9 @@ def format_stats(stats: dict[str, dict[str, Any]], *, top: int = 0) -> str:
   rows = []
   for name, kinds in stats.items():
     for kind, s in kinds.items():
-      s = {k: float(np.asarray(v)) for k, v in s.items()}
+      if not set(STAT_NAMES) <= set(s):
+        continue  # e.g. the FP8 amax and scales
+      s = {k: float(np.asarray(s[k])) for k in STAT_NAMES}
       rows.append((name or "<root>", kind, s))
   rows.sort(key=lambda r: (-r[2]["nonfinite"], -r[2]["max_abs"]))
   if top:

@@ -53,8 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_amp._src import fp8 as fp8_core
 from jmp_amp._src import localise
 from jmp_amp._src import tensor_stats as stats_lib
+from jmp_amp.flax import _fp8 as fp8_layers
 from jmp_amp.flax import nnx as nnx_lib
 from jmp_amp.flax import rules as rules_lib
 
@@ -246,6 +248,36 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
     s = stats_lib.tree_stats(values, dtype)
     if s is not None:
       out[owner] = s
+  return out
+
+
+def fp8_stats(model: nnx.Module, select: Select, into: dict[str, Any]
+              ) -> dict[str, dict[str, Any]]:
+  """`into`'s entries for the selected FP8 modules, with an ``"fp8"`` kind.
+
+  ``{"amax_lhs", "amax_rhs", "amax_grad"}``: the newest amax of the
+  operands and of the output gradient (from the module's amax histories),
+  and ``{"scale_lhs", "scale_rhs", "scale_grad"}``: the scale their whole
+  history gives (what delayed scaling uses next; current scaling uses the
+  tensor's own amax).
+  """
+  selector = _Selector(select)
+  modules = {"/".join(str(p) for p in path): m
+             for path, m in nnx.iter_modules(model)}
+  policies = nnx_lib.get_policies(model)
+  out = {}
+  for path, state in fp8_layers.histories(model).items():
+    recipe = getattr(policies.get(path), "recipe", None)
+    if recipe is None or not selector(path, modules.get(path)):
+      continue
+    fp8 = {}
+    for name, dtype in (("lhs", recipe.fwd_dtype), ("rhs", recipe.fwd_dtype),
+                        ("grad", recipe.bwd_dtype)):
+      history = getattr(state, name)
+      fp8[f"amax_{name}"] = history[0]
+      fp8[f"scale_{name}"] = fp8_core.compute_scale(
+          jnp.max(history), dtype, recipe.margin)
+    out[path] = {**into.get(path, {}), "fp8": fp8}
   return out
 
 

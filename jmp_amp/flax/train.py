@@ -286,6 +286,8 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
     if numerics is not None:
       metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
+      metrics["numerics"].update(numerics_lib.fp8_stats(
+          model, numerics, metrics["numerics"]))
 
     new_rest = _like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
