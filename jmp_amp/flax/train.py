@@ -304,7 +304,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
 
 def _numerics_metrics(outputs: dict, grads: dict) -> dict:
-  merged = {}  # In call order, then the modules only gradients reach.
+  merged = {}  # (jit returns it with its keys sorted.)
   for path in list(outputs) + [p for p in grads if p not in outputs]:
     merged[path] = {}
     if path in outputs:
