@@ -14,7 +14,6 @@ import functools
 import re
 import sys
 
-from flax import linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -122,6 +121,7 @@ def test_localiser_names_module_op_and_the_rule_fixes_it(
   assert "jmp_amp/testing.py" in report.source or backward
 
 
+@pytest.mark.slow
 def test_a_clean_model_has_no_report_and_a_fault_in_float32_fires_not():
   model, loss_fn, batch = _mlp()
   model.layers[1].dot_general = jmp_amp.testing.precision_fault(
@@ -402,3 +402,18 @@ def test_fp8_layers_report_amax_and_scale():
   assert float(fp8["scale_lhs"]) == pytest.approx(
       float(fp8["amax_lhs"]) / float(jnp.finfo(jnp.float8_e4m3fn).max))
   assert "fp8" not in jmp_amp.numerics.format_stats(numerics)
+
+
+def test_telemetry_step_never_syncs_with_the_host():
+  from test_no_host_sync import no_host_sync  # pylint: disable=g-import-not-at-top
+  model, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics="**")
+  batch = jax.device_put(batch)
+  step(model, opt, batch)  # compiles
+  with no_host_sync():
+    for _ in range(2):
+      metrics = step(model, opt, batch)
+  assert float(metrics["numerics"]["layers/0"]["out"]["max_abs"]) > 0

@@ -357,17 +357,15 @@ def find_nonfinite(model: nnx.Module, loss_fn: Callable[[Any, Any], Any],
   Example:
     >>> import jmp_amp.flax
     >>> import jmp_amp.flax.numerics as numerics
-    >>> from jmp_amp import models
-    >>> gpt = models.GPT(vocab_size=16, d_model=8, num_heads=2, num_layers=1,
-    ...                  max_len=4, rngs=nnx.Rngs(0))
-    >>> qkv = gpt.blocks[0].attn.qkv.kernel
-    >>> qkv[...] = qkv[...] * 3000.0  # attention scores overflow float16
-    >>> _ = jmp_amp.flax.set_policies(gpt, jmp_amp.flax.mixed_rules("float16"))
-    >>> tokens = jnp.array([[1, 2, 3, 4]])
-    >>> r = numerics.find_nonfinite(
-    ...     gpt, lambda m, t: models.gpt.lm_loss(m(t), t), tokens)
+    >>> model = nnx.Sequential(nnx.Linear(16, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+    >>> rules = jmp_amp.flax.mixed_rules("float16")
+    >>> _ = jmp_amp.flax.set_policies(model, rules)
+    >>> x = jnp.full((2, 16), 6e4)  # finite in float16; x @ kernel is not
+    >>> r = numerics.find_nonfinite(model, lambda m, x: jnp.mean(m(x)), x,
+    ...                             rules=rules)
     >>> r.primitive, r.module, r.suggested_rule, r.fixed
-    ('dot_general', 'blocks/0/attn', {'blocks/0/attn': 'float32'}, True)
+    ('dot_general', 'layers/0', {'layers/0': 'float32'}, True)
 
   Args:
     model: an NNX model (with its policies set, or not).
