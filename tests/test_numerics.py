@@ -153,6 +153,24 @@ def test_fixed_says_whether_the_rule_removed_every_inf_nan():
                            "removes every") == 1
 
 
+def test_linen_model_localised_and_verified():
+  module = models.LinenMLP(16, 4, 2, width=8)
+  x = jnp.full((2, 16), 6e4)  # finite in float16; the first layer's product not
+  variables = module.init(jax.random.key(0), x)
+  loss_fn = lambda net, x: jnp.mean(net(x).astype(jnp.float32))
+  report = fnum.find_nonfinite(module, loss_fn, x, variables=variables,
+                               rules="mixed_float16")
+  first = sorted(variables["params"])[0]
+  assert (report.module, report.primitive, report.direction) == (
+      first, "dot_general", "forward"), str(report)
+  assert report.suggested_rule == {first: "float32"}
+  y = jmp_amp.flax.apply_with_policies(
+      module, {"*": "mixed_float16", first: "float32"}, variables, x)
+  assert report.fixed is bool(jnp.isfinite(y).all())
+  with pytest.raises(TypeError, match="variables"):
+    fnum.find_nonfinite(module, loss_fn, x)
+
+
 # --------------------------------------------------------------------------
 # The localiser on plain functions.
 

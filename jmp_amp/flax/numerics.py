@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from typing import (Any, Callable, Iterator, Mapping, Optional, Sequence,
                     Union)
@@ -320,6 +321,35 @@ def _nnx_loss(model: nnx.Module, loss_fn: Callable, batch: Any,
   return f, params
 
 
+def _as_mapping(rules: Any) -> Mapping:
+  if rules is None:
+    return {}
+  return rules if isinstance(rules, Mapping) else {rules_lib.DEFAULT_KEY:
+                                                   rules}
+
+
+def _linen_loss(module: nn.Module, variables: Any, loss_fn: Callable,
+                batch: Any, loss_scale: Any, rules: Any):
+  from jmp_amp.flax import linen as linen_lib  # pylint: disable=g-import-not-at-top
+  variables = dict(variables)
+  params = variables.pop("params")
+  rules = _as_mapping(rules)
+
+  def f(params):
+    def net(*args, **kwargs):
+      v = {"params": params, **variables}
+      if variables:
+        kwargs["mutable"] = list(variables)
+        return linen_lib.apply_with_policies(module, rules, v, *args,
+                                             **kwargs)[0]
+      return linen_lib.apply_with_policies(module, rules, v, *args, **kwargs)
+
+    with watch(None):
+      return _scaled(loss_fn(net, batch), loss_scale)
+
+  return f, params
+
+
 def _all_finite(tree: Any) -> bool:
   return all(bool(np.isfinite(np.asarray(x)).all())
              for x in jax.tree_util.tree_leaves(tree)
@@ -342,10 +372,11 @@ def _fixed_rules(model: nnx.Module, rules: Any, path: str) -> Any:
   return derived or fix
 
 
-def find_nonfinite(model: nnx.Module, loss_fn: Callable[[Any, Any], Any],
-                   batch: Any, *, loss_scale: Any = None, rules: Any = None,
-                   verify: bool = True, backward: bool = True
-                   ) -> Optional[localise.NonFinite]:
+def find_nonfinite(model: Union[nnx.Module, nn.Module],
+                   loss_fn: Callable[[Any, Any], Any], batch: Any, *,
+                   loss_scale: Any = None, rules: Any = None,
+                   variables: Any = None, verify: bool = True,
+                   backward: bool = True) -> Optional[localise.NonFinite]:
   """The first op of ``loss_fn(model, batch)`` (and its gradient) making
   inf/NaN, with its module path and a float32 rule for that module.
 
@@ -368,36 +399,56 @@ def find_nonfinite(model: nnx.Module, loss_fn: Callable[[Any, Any], Any],
     ('dot_general', 'layers/0', {'layers/0': 'float32'}, True)
 
   Args:
-    model: an NNX model (with its policies set, or not).
+    model: an NNX model (with its policies set, or not), or a linen module
+      (with `variables`; run through `jmp_amp.flax.apply_with_policies`
+      with `rules`).
     loss_fn: ``loss_fn(model, batch)`` returning a scalar loss (or ``(loss,
-      aux)``), as for `jmp_amp.flax.make_train_step`.
+      aux)``), as for `jmp_amp.flax.make_train_step`; for linen `model` is
+      a callable ``model(*args, **kwargs)``, as for
+      `jmp_amp.flax.make_linen_train_step` (mutable collections are
+      updated inside and their updates dropped).
     batch: the batch that went non-finite.
     loss_scale: the loss scale of that step (a `jmp_amp.LossScale` or a
       number): backward overflows often happen only at that scale.
     rules: the rules the model's policies came from, for the verification
       (the suggested rule is added to them); default: the policies
-      `get_policies` reports, one exact rule per module.
+      `get_policies` reports, one exact rule per module. For linen, the
+      rules to apply the module with (default: none).
+    variables: the linen module's variables (``params`` and any other
+      collection).
     verify: re-run on a copy of the model with the suggested rule.
     backward: also look at the gradient.
 
   Returns:
     A `jmp_amp.numerics.NonFinite`, or None if nothing went non-finite.
   """
-  if not isinstance(model, nnx.Module):
-    raise TypeError("find_nonfinite takes an nnx.Module, got "
-                    f"{type(model).__name__}")
-  f, params = _nnx_loss(model, loss_fn, batch, loss_scale)
+  if isinstance(model, nn.Module):
+    if variables is None:
+      raise TypeError("find_nonfinite of a linen module needs its variables "
+                      "(variables=...)")
+    build = functools.partial(_linen_loss, model, variables, loss_fn, batch,
+                              loss_scale)
+    f, params = build(rules)
+  elif isinstance(model, nnx.Module):
+    f, params = _nnx_loss(model, loss_fn, batch, loss_scale)
+  else:
+    raise TypeError("find_nonfinite takes an nnx.Module or a linen Module, "
+                    f"got {type(model).__name__}")
   report = localise.find_nonfinite(f, params, backward=backward)
   if report is None or report.module is None:
     return report
   rule = {report.module: "float32"}
   fixed = None
   if verify:
-    clone = nnx.clone(model)
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
-      nnx_lib.set_policies(clone, _fixed_rules(model, rules, report.module))
-    g, p = _nnx_loss(clone, loss_fn, batch, loss_scale)
+    if isinstance(model, nn.Module):
+      g, p = build(rules_lib.PolicyRules(_as_mapping(rules)) | rule)
+    else:
+      clone = nnx.clone(model)
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nnx_lib.set_policies(clone,
+                             _fixed_rules(model, rules, report.module))
+      g, p = _nnx_loss(clone, loss_fn, batch, loss_scale)
     value, grads = jax.jit(jax.value_and_grad(g))(p)
     fixed = _all_finite((value, grads)) if backward else _all_finite(value)
   return dataclasses.replace(report, suggested_rule=rule,
