@@ -362,14 +362,17 @@ def _fixed_rules(model: nnx.Module, rules: Any, path: str) -> Any:
     if not isinstance(rules, Mapping):
       rules = {rules_lib.DEFAULT_KEY: rules}
     return rules_lib.PolicyRules(rules) | fix
+  # One exact rule per module; the root's policy as the catch-all, which
+  # (unlike an exact rule for "") leaves the model's outputs uncast.
   derived = {}
   for p, policy in nnx_lib.get_policies(model).items():
+    key = p if p else rules_lib.DEFAULT_KEY
     inside = p == path or p.startswith(path + "/") or not path
     if inside:
-      derived[p] = "float32"
+      derived[key] = "float32"
     elif policy is not None:
-      derived[p] = policy
-  return derived or fix
+      derived[key] = policy
+  return derived
 
 
 def find_nonfinite(model: Union[nnx.Module, nn.Module],
