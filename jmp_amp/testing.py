@@ -20,7 +20,7 @@ Not imported by `import jmp_amp`; import `jmp_amp.testing` explicitly.
 
 from __future__ import annotations
 
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -126,3 +126,89 @@ def _fault_value(kind: Union[str, float], bits: jax.Array) -> jax.Array:
                        f"float, got {kind!r}")
     return jnp.float32(_VALUES[_KINDS.index(kind)])
   return jnp.float32(kind)
+
+
+# A factor finite in float16 whose cube overflows float16 (and bfloat16 is
+# out of reach): values above ~2e-9 overflow float16 after three products;
+# float32 stays finite below ~1e25.
+_BIG = 2.0 ** 15
+# Lost in float16 (below half an ulp of 1), exact in float32.
+_EPS = 2.0 ** -12
+
+
+def _overflow(x: jax.Array) -> jax.Array:
+  y = x * _BIG * _BIG * _BIG
+  return y / _BIG / _BIG / _BIG
+
+
+def _nan(x: jax.Array) -> jax.Array:
+  one = x * 0 + 1
+  d = (one + _EPS) - one
+  return x + (d / d - 1)
+
+
+_PRECISION_FAULTS = {"overflow": _overflow, "nan": _nan}
+
+
+def precision_fault(op: Callable[..., Any], kind: str = "overflow", *,
+                    backward: bool = False) -> Callable[..., Any]:
+  """`op` whose float16 results (or their gradients) go inf or NaN.
+
+  A fault that only half precision triggers, as a real range or rounding
+  problem would: the wrapped op returns ``op(*args, **kwargs)`` unchanged in
+  float32 (a policy keeping it in float32 removes the fault), while in
+  float16 "overflow" makes it inf in a ``mul`` (a product by ``2**15``,
+  three times, then divided back) and "nan" makes it NaN in a ``div``
+  (``d / d`` with ``d = (1 + 2**-12) - 1``, zero in float16). With
+  ``backward=True`` the forward value is untouched and the same fault hits
+  the cotangent in the gradient computation instead.
+
+  Put it in a module through its op knob (``nnx.Linear(...,
+  dot_general=...)``, ``nnx.Conv``'s ``conv_general_dilated``, an
+  ``einsum_op``), to test that a tool finds the module and op.
+
+  Example:
+    >>> op = precision_fault(jnp.multiply, "nan")
+    >>> x = jnp.array([1.0, 2.0])
+    >>> op(x, 2.0).tolist(), op(x.astype(jnp.float16), 2.0).tolist()
+    ([2.0, 4.0], [nan, nan])
+    >>> g = jax.grad(lambda x: precision_fault(jnp.sin, backward=True)(x))
+    >>> float(g(jnp.float16(1.0))), float(g(jnp.float32(1.0))) > 0
+    (inf, True)
+
+  Args:
+    op: the function whose results get the fault.
+    kind: "overflow" (inf, in ``mul``) or "nan" (NaN, in ``div``).
+    backward: put the fault in the gradient instead of the forward value.
+
+  Returns:
+    The wrapped function.
+  """
+  if kind not in _PRECISION_FAULTS:
+    raise ValueError(f"kind must be one of {sorted(_PRECISION_FAULTS)}, got "
+                     f"{kind!r}")
+  if not callable(op):
+    raise TypeError(f"precision_fault wraps a function, got {op!r}")
+  fault = _PRECISION_FAULTS[kind]
+  if backward:
+    fault = _in_gradient(fault)
+
+  def wrapped(*args, **kwargs):
+    return jax.tree.map(fault, op(*args, **kwargs))
+
+  return wrapped
+
+
+def _in_gradient(fault: Callable[[jax.Array], jax.Array]):
+  @jax.custom_vjp
+  def identity(x):
+    return x
+
+  def fwd(x):
+    return x, None
+
+  def bwd(_, g):
+    return (fault(g),)
+
+  identity.defvjp(fwd, bwd)
+  return identity

@@ -68,6 +68,7 @@ from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
+from jmp_amp.flax import numerics as numerics_lib
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
 
@@ -170,6 +171,8 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
                     donate: bool = True,
                     jit: bool = True,
                     compiler_options: Optional[dict[str, Any]] = None,
+                    numerics: Any = None,
+                    on_nonfinite: Optional[Callable[[Any], Any]] = None,
                     ) -> Callable[..., dict[str, jax.Array]]:
   """Builds ``step(model, optimizer, batch) -> metrics`` for Flax NNX.
 
@@ -219,13 +222,34 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       your own `jax.jit` / `nnx.jit`.
     compiler_options: XLA options for `jax.jit`, e.g.
       ``{"xla_backend_optimization_level": 0}`` for faster compiles.
+    numerics: None, or the modules (path globs such as ``"blocks/*/attn"``,
+      ``"**"`` for all, module classes, or a list of them) whose output and
+      param-gradient statistics the step computes on device and returns as
+      ``metrics["numerics"]``, ``{path: {"out": stats, "grad": stats}}``
+      (see `jmp_amp.flax.numerics`; print with
+      `jmp_amp.numerics.format_stats`). None compiles exactly the step
+      without it.
+    on_nonfinite: None, or a callable given, once, the
+      `jmp_amp.numerics.NonFinite` report of
+      `jmp_amp.flax.numerics.find_nonfinite` for the first step whose
+      gradients or loss are not finite (e.g. ``print``). Costs one host
+      read of ``grads_finite`` per step until then (the step waits for the
+      device), and once, an op-by-op run of the loss and its gradient
+      outside `jit`. The compiled step is unchanged. The localiser runs the
+      model after the step (a skipped step left the params as they were)
+      with the loss scale the step used; it does not apply ``autocast``.
 
   Returns:
     The step function.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+  if on_nonfinite is not None and not callable(on_nonfinite):
+    raise TypeError(f"on_nonfinite must be None or a callable, got "
+                    f"{on_nonfinite!r}")
   hook = _autocast_hook(autocast)
+  if numerics is not None:
+    numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
     _check_optimizer(optimizer)
@@ -238,8 +262,12 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     def forward(params, rest, batch):
       # copy: fresh Variables of this trace, which the forward pass may update.
       m = nnx.merge(graphdef, params, rest, copy=True)
-      loss, aux = _split_loss(loss_fn(m, batch), has_aux)
-      return loss, aux, nnx.split(m, diff, ...)[2]
+      if numerics is None:
+        loss, aux = _split_loss(loss_fn(m, batch), has_aux)
+        return loss, aux, nnx.split(m, diff, ...)[2]
+      with numerics_lib.watch(m, numerics) as seen:
+        loss, aux = _split_loss(loss_fn(m, batch), has_aux)
+      return loss, (aux, seen.outputs), nnx.split(m, diff, ...)[2]
 
     fn = hook(forward) if hook is not None else forward
 
@@ -253,8 +281,15 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     (_, (loss, (_, (aux, new_rest)))), grads = _fp8.value_and_grad(
         scaled_loss_fn(loss_of, opt_state, has_aux=True), has_aux=True,
         wrt=wrt)(model)
+    if numerics is not None:
+      aux, outputs = aux
+      grad_stats = numerics_lib.grad_stats(model, grads, numerics)
     optimizer.update(model, grads)
     metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
+    if numerics is not None:
+      metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
+      metrics["numerics"].update(numerics_lib.fp8_stats(
+          model, numerics, metrics["numerics"]))
 
     new_rest = _like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
@@ -263,9 +298,48 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
         metrics["grads_finite"], reverted_new, reverted_old))
     return metrics
 
-  if not jit:
-    return step
-  return _jit_nnx_step(step, donate=donate, compiler_options=compiler_options)
+  run = step if not jit else _jit_nnx_step(
+      step, donate=donate, compiler_options=compiler_options)
+  if on_nonfinite is None:
+    return run
+  return _with_localiser(run, loss_fn, on_nonfinite)
+
+
+def _numerics_metrics(outputs: dict, grads: dict) -> dict:
+  merged = {}  # (jit returns it with its keys sorted.)
+  for path in list(outputs) + [p for p in grads if p not in outputs]:
+    merged[path] = {}
+    if path in outputs:
+      merged[path]["out"] = outputs[path]
+    if path in grads:
+      merged[path]["grad"] = grads[path]
+  return merged
+
+
+def _with_localiser(run: Callable[..., Any], loss_fn: Callable[..., Any],
+                    callback: Callable[[Any], Any]) -> Callable[..., Any]:
+  """`run`, which hands the first non-finite step to the localiser."""
+  reported = []
+
+  @functools.wraps(run)
+  def checked(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
+    if reported:
+      return run(model, optimizer, batch)
+    _check_optimizer(optimizer)
+    # A device copy: the step donates the optimizer state's buffers.
+    scale = jax.tree.map(jnp.copy, jmp_amp.get_scaling_state(
+        _optax_state(optimizer)).loss_scale)
+    metrics = run(model, optimizer, batch)
+    if not (bool(metrics["grads_finite"])
+            and bool(jnp.isfinite(metrics["loss"]))):
+      reported.append(True)
+      callback(numerics_lib.find_nonfinite(model, loss_fn, batch,
+                                           loss_scale=scale))
+    return metrics
+
+  if hasattr(run, "lower"):
+    checked.lower = run.lower
+  return checked
 
 
 def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
@@ -327,6 +401,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
                           donate: bool = True,
                           jit: bool = True,
                           compiler_options: Optional[dict[str, Any]] = None,
+                          numerics: Any = None,
                           ) -> Callable[..., Any]:
   """Builds ``step(state, batch) -> (state, metrics)`` for a linen TrainState.
 
@@ -371,11 +446,17 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     jit: wrap the step in `jax.jit`.
     compiler_options: XLA options for `jax.jit`.
 
+    numerics: None, or the modules whose output and param-gradient
+      statistics go to ``metrics["numerics"]``, as for `make_train_step`
+      (paths as `apply_with_policies` sees them, e.g. ``"Dense_0"``).
+
   Returns:
     The step function.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+  if numerics is not None:
+    numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
   if isinstance(mutable, str):
     mutable = (mutable,)
   hook = _autocast_hook(autocast)
@@ -395,8 +476,12 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
         box.update(updates)
         return out
 
-      loss, aux = _split_loss(loss_fn(model, batch), has_aux)
-      return loss, aux, box
+      if numerics is None:
+        loss, aux = _split_loss(loss_fn(model, batch), has_aux)
+        return loss, aux, box
+      with numerics_lib.watch(None, numerics) as seen:
+        loss, aux = _split_loss(loss_fn(model, batch), has_aux)
+      return loss, (aux, seen.outputs), box
 
     fn = hook(forward) if hook is not None else forward
 
@@ -406,8 +491,13 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
     (loss, (aux, new_cols)), grads = jmp_amp.scaled_value_and_grad(
         loss_of, state.opt_state, has_aux=True)(state.params)
+    if numerics is not None:
+      aux, outputs = aux
+      grad_stats = numerics_lib.grad_stats(None, grads, numerics)
     state = state.apply_gradients(grads=grads)
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
+    if numerics is not None:
+      metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
     new_cols = _like(dict(new_cols), cols)
     if revert_on_skip:
       new_cols = where_tree(metrics["grads_finite"], new_cols, cols)

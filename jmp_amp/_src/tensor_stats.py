@@ -1,0 +1,101 @@
+"""Range statistics of one tensor, computed on device (jit-safe, no sync).
+
+One pass over the tensor: XLA fuses the four reductions into one
+multi-output reduction, so a statistic costs one read of the tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STAT_NAMES = ("max_abs", "underflow", "zeros", "nonfinite")
+
+
+def tensor_stats(x: jax.Array, dtype: Optional[Any] = None
+                 ) -> dict[str, jax.Array]:
+  """Range statistics of a floating array.
+
+  Example:
+    >>> s = tensor_stats(jnp.array([0.0, 1e-6, 3.0, jnp.inf], jnp.float32),
+    ...                  dtype=jnp.float16)
+    >>> {k: float(v) for k, v in s.items()}
+    {'max_abs': 3.0, 'underflow': 0.25, 'zeros': 0.25, 'nonfinite': 1.0}
+
+  Args:
+    x: the array (any floating dtype; not floating: a TypeError).
+    dtype: the dtype whose range `underflow` is measured against, e.g. the
+      module's compute dtype; default ``x.dtype``.
+
+  Returns:
+    A dict of float32 scalars: ``max_abs`` (largest finite ``|x|``),
+    ``underflow`` (the fraction of non-zero finite values below `dtype`'s
+    smallest normal: subnormal there, or flushed to zero by a kernel that
+    flushes), ``zeros`` (the fraction of exact zeros: flushed or underflowed
+    values end here) and ``nonfinite`` (the count of inf/NaN).
+  """
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"tensor_stats takes a floating array, got {x.dtype}")
+  tiny = float(jnp.finfo(x.dtype if dtype is None else dtype).tiny)
+  a = jnp.abs(x).astype(jnp.float32)
+  finite = jnp.isfinite(a)
+  size = max(int(np.prod(x.shape)), 1)
+  return {
+      "max_abs": jnp.max(jnp.where(finite, a, 0.0), initial=0.0),
+      "underflow": jnp.sum((a > 0) & (a < tiny), dtype=jnp.float32) / size,
+      "zeros": jnp.sum(a == 0, dtype=jnp.float32) / size,
+      "nonfinite": jnp.sum(~finite, dtype=jnp.float32),
+  }
+
+
+def merge_stats(a: dict[str, jax.Array], b: dict[str, jax.Array]
+                ) -> dict[str, jax.Array]:
+  """Statistics of two tensors taken together (fractions averaged)."""
+  return {
+      "max_abs": jnp.maximum(a["max_abs"], b["max_abs"]),
+      "underflow": (a["underflow"] + b["underflow"]) / 2,
+      "zeros": (a["zeros"] + b["zeros"]) / 2,
+      "nonfinite": a["nonfinite"] + b["nonfinite"],
+  }
+
+
+def tree_stats(tree: Any, dtype: Optional[Any] = None
+               ) -> Optional[dict[str, jax.Array]]:
+  """`tensor_stats` over the floating leaves of a pytree (None if none)."""
+  out = None
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+        and np.size(leaf)):
+      s = tensor_stats(jax.lax.stop_gradient(leaf), dtype)
+      out = s if out is None else merge_stats(out, s)
+  return out
+
+
+def format_stats(stats: dict[str, dict[str, Any]], *, top: int = 0) -> str:
+  """A compact text table of ``{name: {kind: stats}}`` (host values).
+
+  Rows with a non-finite count come first, then by ``max_abs``; ``top`` > 0
+  keeps that many rows.
+  """
+  rows = []
+  for name, kinds in stats.items():
+    for kind, s in kinds.items():
+      if not set(STAT_NAMES) <= set(s):
+        continue  # e.g. the FP8 amax and scales
+      s = {k: float(np.asarray(s[k])) for k in STAT_NAMES}
+      rows.append((name or "<root>", kind, s))
+  rows.sort(key=lambda r: (-r[2]["nonfinite"], -r[2]["max_abs"]))
+  if top:
+    rows = rows[:top]
+  width = max([len(r[0]) for r in rows] + [6])
+  lines = [f"{'module':<{width}} {'of':<4} {'max|x|':>10} {'underfl':>8} "
+           f"{'zeros':>7} {'inf/nan':>7}"]
+  for name, kind, s in rows:
+    lines.append(f"{name:<{width}} {kind:<4} {s['max_abs']:>10.4g} "
+                 f"{s['underflow']:>8.2%} {s['zeros']:>7.2%} "
+                 f"{int(s['nonfinite']):>7d}")
+  return "\n".join(lines)

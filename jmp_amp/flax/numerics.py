@@ -1,0 +1,458 @@
+"""Per-module numerics of Flax models: telemetry in the step, and the op that
+made the first inf/NaN.
+
+* `watch(model, select)`: a context manager for the code that calls the
+  model inside a traced function. Every module call runs under a
+  `jax.named_scope` naming its path (``@blocks.0.attn`` for
+  ``blocks/0/attn``), and the modules `select` picks have the range
+  statistics of their outputs recorded (`jmp_amp.numerics.tensor_stats`:
+  max ``|x|``, underflow and zero fractions, inf/NaN count), on device, as
+  part of the traced computation. `grad_stats(model, grads, select)` does the
+  same for the gradients of each module's params. ``make_train_step(...,
+  numerics=select)`` does both and returns them as ``metrics["numerics"]``
+  (``{path: {"out": stats, "grad": stats}}``); print them with
+  `jmp_amp.numerics.format_stats`.
+* `find_nonfinite(model, loss_fn, batch)`: the first equation of the
+  forward or backward pass that turned finite values into inf/NaN, with its
+  module path, a suggested rule keeping that module in float32, and whether
+  that rule, applied, removes every inf/NaN. ``make_train_step(...,
+  on_nonfinite=print)`` runs it once, on the first skipped step.
+
+`select` uses the glob dialect of `jmp_amp.flax.rules`: a path pattern
+(``"blocks/*/attn"``, ``"**"`` or ``"*"`` for every module), a module class
+(``nnx.Linear``), or a sequence of them.
+
+How module calls are seen: linen through `flax.linen.intercept_methods`;
+NNX, which has no method interceptor, through a `sys.setprofile` hook that
+is installed only while `watch` is active (at trace time) and sees calls of
+the public methods and ``__call__`` of the model's modules. A profiler that
+was installed before is called too and put back afterwards.
+
+Example:
+  >>> import jmp_amp.flax.numerics as numerics
+  >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+  ...                        nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+  >>> with numerics.watch(model, "layers/*") as seen:
+  ...   y = model(jnp.full((1, 2), 1e4, jnp.float16))
+  >>> sorted(seen.outputs), int(seen.outputs["layers/1"]["nonfinite"])
+  (['layers/0', 'layers/1'], 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+from typing import (Any, Callable, Iterator, Mapping, Optional, Sequence,
+                    Union)
+import warnings
+
+from flax import linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_amp._src import fp8 as fp8_core
+from jmp_amp._src import localise
+from jmp_amp._src import tensor_stats as stats_lib
+from jmp_amp.flax import _fp8 as fp8_layers
+from jmp_amp.flax import nnx as nnx_lib
+from jmp_amp.flax import rules as rules_lib
+
+__all__ = ("find_nonfinite", "grad_stats", "watch")
+
+Select = Union[None, str, type, Sequence[Union[str, type]]]
+
+
+class _Selector:
+  """Which modules a `select` argument picks."""
+
+  def __init__(self, select: Select):
+    if isinstance(select, (str, type)):
+      select = [select]
+    if not isinstance(select, (list, tuple)):
+      raise TypeError(
+          "select must be a path pattern ('blocks/*/attn', '**' for every "
+          "module), a Flax module class, or a list of them; got "
+          f"{select!r}")
+    self.patterns, self.classes = [], []
+    for key in select:
+      if isinstance(key, type):
+        if not issubclass(key, (nnx.Module, nn.Module)):
+          raise TypeError(f"select: {key!r} is not a Flax module class")
+        self.classes.append(key)
+      elif isinstance(key, str):
+        key = "**" if key == rules_lib.DEFAULT_KEY else key
+        self.patterns.append(rules_lib.compile_pattern(key))
+      else:
+        raise TypeError(f"select: {key!r} is neither a path pattern str nor "
+                        "a Flax module class")
+
+  def __call__(self, path: str, module: Any) -> bool:
+    return (any(p.match(path) for p in self.patterns)
+            or isinstance(module, tuple(self.classes)))
+
+
+def _selector(select: Select) -> Optional[_Selector]:
+  return None if select is None else _Selector(select)
+
+
+class Seen:
+  """What `watch` recorded: ``outputs``, ``{path: stats}``."""
+
+  def __init__(self, select: Optional[_Selector]):
+    self.select = select
+    self.outputs: dict[str, dict[str, jax.Array]] = {}
+
+  def record(self, path: str, module: Any, out: Any) -> None:
+    if self.select is None or not self.select(path, module):
+      return
+    s = stats_lib.tree_stats(out)
+    if s is None:
+      return
+    old = self.outputs.get(path)
+    self.outputs[path] = s if old is None else stats_lib.merge_stats(old, s)
+
+
+def _nnx_hook(paths: dict[int, tuple[str, Any]], seen: Seen):
+  """A profile function: named scopes around the modules' method calls."""
+  open_scopes: dict[int, tuple[Any, str, Any]] = {}
+
+  def hook(frame, event, arg):
+    if event == "call":
+      code = frame.f_code
+      name = code.co_name
+      if (code.co_argcount and code.co_varnames[0] == "self"
+          and (name == "__call__" or not name.startswith("_"))):
+        entry = paths.get(id(frame.f_locals.get("self")))
+        if entry is not None:
+          scope = jax.named_scope(localise.encode_path(entry[0]))
+          scope.__enter__()
+          open_scopes[id(frame)] = (scope, *entry)
+    elif event == "return":
+      entry = open_scopes.pop(id(frame), None)
+      if entry is not None:
+        scope, path, module = entry
+        scope.__exit__(None, None, None)
+        if arg is not None:
+          seen.record(path, module, arg)
+
+  return hook
+
+
+@contextlib.contextmanager
+def watch(model: Optional[nnx.Module] = None, select: Select = None
+          ) -> Iterator[Seen]:
+  """Module-path scopes (and output statistics) for the model's calls.
+
+  Use it around the code that calls the model, inside the traced function
+  (a jitted step, or a function given to `jax.make_jaxpr`); the statistics
+  are arrays of that trace: return them from it.
+
+  Args:
+    model: the NNX model the calls go to (its modules, as they are when
+      `watch` is entered; in a train step, the module the loss function
+      gets), or None for linen (every linen module called inside; a
+      top-level ``apply`` starts the record afresh, so it holds the last
+      one).
+    select: the modules whose outputs are recorded (see the module
+      docstring); None records nothing and only names the scopes.
+
+  Yields:
+    A `Seen` whose ``outputs`` fill up as the modules are called.
+  """
+  seen = Seen(_selector(select))
+  if model is None:
+    depth = [0]
+
+    def interceptor(next_fun, args, kwargs, context):
+      module = context.module
+      if module.scope is None or context.method_name == "setup":
+        return next_fun(*args, **kwargs)
+      path = "/".join(module.path)
+      if not path and not depth[0]:
+        # A new top-level apply: `apply_with_policies` first runs the model
+        # abstractly (`jax.eval_shape`), whose values must not be kept.
+        seen.outputs.clear()
+      depth[0] += 1
+      try:
+        with jax.named_scope(localise.encode_path(path)):
+          out = next_fun(*args, **kwargs)
+      finally:
+        depth[0] -= 1
+      seen.record(path, module, out)
+      return out
+
+    with nn.intercept_methods(interceptor):
+      yield seen
+    return
+  if not isinstance(model, nnx.Module):
+    raise TypeError("watch takes an nnx.Module (or None for linen), got "
+                    f"{type(model).__name__}")
+  paths = {id(m): ("/".join(str(p) for p in path), m)
+           for path, m in nnx.iter_modules(model)}
+  hook = _nnx_hook(paths, seen)
+  previous = sys.getprofile()
+  if previous is not None:
+    inner = hook
+
+    def hook(frame, event, arg):  # pylint: disable=function-redefined
+      inner(frame, event, arg)
+      return previous(frame, event, arg)
+  sys.setprofile(hook)
+  try:
+    yield seen
+  finally:
+    sys.setprofile(previous)
+
+
+def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
+               ) -> dict[str, dict[str, jax.Array]]:
+  """Range statistics of each selected module's param gradients.
+
+  The underflow fraction is measured against the module's compute dtype
+  (from `set_policies`; float32 without a policy): where these gradients
+  lived before the cast to the param dtype. Gradients taken of a scaled
+  loss are the scaled ones.
+
+  Args:
+    model: the NNX model (None: `grads` is a linen params tree).
+    grads: the gradients (an `nnx.State` or a nested dict), jit-safe.
+    select: which modules (see the module docstring).
+
+  Returns:
+    ``{module path: stats}``.
+  """
+  selector = _Selector(select if select is not None else [])
+  if model is not None:
+    modules = {"/".join(str(p) for p in path): m
+               for path, m in nnx.iter_modules(model)}
+    policies = nnx_lib.get_policies(model)
+    flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
+  else:
+    modules, policies = {}, {}
+    flat = list(jax.tree_util.tree_flatten_with_path(grads)[0])
+    flat = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v)
+            for p, v in flat]
+  grouped: dict[str, list] = {}
+  for path, value in flat:
+    value = value.get_value() if isinstance(value, nnx.Variable) else value
+    owner = _owner("/".join(str(p) for p in path[:-1]), modules)
+    if selector(owner, modules.get(owner)):
+      grouped.setdefault(owner, []).append(value)
+  out = {}
+  for owner, values in grouped.items():
+    policy = policies.get(owner)
+    dtype = getattr(policy, "compute_dtype", None)
+    s = stats_lib.tree_stats(values, dtype)
+    if s is not None:
+      out[owner] = s
+  return out
+
+
+def fp8_stats(model: nnx.Module, select: Select, into: dict[str, Any]
+              ) -> dict[str, dict[str, Any]]:
+  """`into`'s entries for the selected FP8 modules, with an ``"fp8"`` kind.
+
+  ``{"amax_lhs", "amax_rhs", "amax_grad"}``: the newest amax of the
+  operands and of the output gradient (from the module's amax histories),
+  and ``{"scale_lhs", "scale_rhs", "scale_grad"}``: the scale their whole
+  history gives (what delayed scaling uses next; current scaling uses the
+  tensor's own amax).
+  """
+  selector = _Selector(select)
+  modules = {"/".join(str(p) for p in path): m
+             for path, m in nnx.iter_modules(model)}
+  policies = nnx_lib.get_policies(model)
+  out = {}
+  for path, state in fp8_layers.histories(model).items():
+    recipe = getattr(policies.get(path), "recipe", None)
+    if recipe is None or not selector(path, modules.get(path)):
+      continue
+    fp8 = {}
+    for name, dtype in (("lhs", recipe.fwd_dtype), ("rhs", recipe.fwd_dtype),
+                        ("grad", recipe.bwd_dtype)):
+      history = getattr(state, name)
+      fp8[f"amax_{name}"] = history[0]
+      fp8[f"scale_{name}"] = fp8_core.compute_scale(
+          jnp.max(history), dtype, recipe.margin)
+    out[path] = {**into.get(path, {}), "fp8": fp8}
+  return out
+
+
+def _owner(path: str, modules: dict[str, Any]) -> str:
+  """The longest prefix of `path` that is a module (NNX); else `path`."""
+  if not modules:
+    return path
+  parts = path.split("/") if path else []
+  for n in range(len(parts), -1, -1):
+    candidate = "/".join(parts[:n])
+    if candidate in modules:
+      return candidate
+  return ""
+
+
+# --------------------------------------------------------------------------
+# Localisation.
+
+
+def _scaled(loss: Any, loss_scale: Any) -> jax.Array:
+  if isinstance(loss, tuple):
+    loss = loss[0]
+  loss = jnp.asarray(loss, jnp.float32)
+  if loss_scale is None:
+    return loss
+  if hasattr(loss_scale, "scale"):
+    return loss_scale.scale(loss)
+  return loss * jnp.asarray(loss_scale, jnp.float32)
+
+
+def _nnx_loss(model: nnx.Module, loss_fn: Callable, batch: Any,
+              loss_scale: Any):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def f(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    with watch(m):
+      return _scaled(loss_fn(m, batch), loss_scale)
+
+  return f, params
+
+
+def _as_mapping(rules: Any) -> Mapping:
+  if rules is None:
+    return {}
+  return rules if isinstance(rules, Mapping) else {rules_lib.DEFAULT_KEY:
+                                                   rules}
+
+
+def _linen_loss(module: nn.Module, variables: Any, loss_fn: Callable,
+                batch: Any, loss_scale: Any, rules: Any):
+  from jmp_amp.flax import linen as linen_lib  # pylint: disable=g-import-not-at-top
+  variables = dict(variables)
+  params = variables.pop("params")
+  rules = _as_mapping(rules)
+
+  def f(params):
+    def net(*args, **kwargs):
+      v = {"params": params, **variables}
+      if variables:
+        kwargs["mutable"] = list(variables)
+        return linen_lib.apply_with_policies(module, rules, v, *args,
+                                             **kwargs)[0]
+      return linen_lib.apply_with_policies(module, rules, v, *args, **kwargs)
+
+    with watch(None):
+      return _scaled(loss_fn(net, batch), loss_scale)
+
+  return f, params
+
+
+def _all_finite(tree: Any) -> bool:
+  return all(bool(np.isfinite(np.asarray(x)).all())
+             for x in jax.tree_util.tree_leaves(tree)
+             if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def _fixed_rules(model: nnx.Module, rules: Any, path: str) -> Any:
+  fix = {path: "float32"}
+  if rules is not None:
+    if not isinstance(rules, Mapping):
+      rules = {rules_lib.DEFAULT_KEY: rules}
+    return rules_lib.PolicyRules(rules) | fix
+  # One exact rule per module; the root's policy as the catch-all, which
+  # (unlike an exact rule for "") leaves the model's outputs uncast.
+  derived = {}
+  for p, policy in nnx_lib.get_policies(model).items():
+    key = p if p else rules_lib.DEFAULT_KEY
+    inside = p == path or p.startswith(path + "/") or not path
+    if inside:
+      derived[key] = "float32"
+    elif policy is not None:
+      derived[key] = policy
+  return derived
+
+
+def find_nonfinite(model: Union[nnx.Module, nn.Module],
+                   loss_fn: Callable[[Any, Any], Any], batch: Any, *,
+                   loss_scale: Any = None, rules: Any = None,
+                   variables: Any = None, verify: bool = True,
+                   backward: bool = True) -> Optional[localise.NonFinite]:
+  """The first op of ``loss_fn(model, batch)`` (and its gradient) making
+  inf/NaN, with its module path and a float32 rule for that module.
+
+  Runs outside `jit`, op by op (see `jmp_amp.numerics.find_nonfinite`):
+  about the cost of an unfused forward and backward pass, plus, to verify
+  the rule, one compile and run of the loss and its gradient on a copy of
+  the model. The model is not changed.
+
+  Example:
+    >>> import jmp_amp.flax
+    >>> import jmp_amp.flax.numerics as numerics
+    >>> model = nnx.Sequential(nnx.Linear(16, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+    >>> rules = jmp_amp.flax.mixed_rules("float16")
+    >>> _ = jmp_amp.flax.set_policies(model, rules)
+    >>> x = jnp.full((2, 16), 6e4)  # finite in float16; x @ kernel is not
+    >>> r = numerics.find_nonfinite(model, lambda m, x: jnp.mean(m(x)), x,
+    ...                             rules=rules)
+    >>> r.primitive, r.module, r.suggested_rule, r.fixed
+    ('dot_general', 'layers/0', {'layers/0': 'float32'}, True)
+
+  Args:
+    model: an NNX model (with its policies set, or not), or a linen module
+      (with `variables`; run through `jmp_amp.flax.apply_with_policies`
+      with `rules`).
+    loss_fn: ``loss_fn(model, batch)`` returning a scalar loss (or ``(loss,
+      aux)``), as for `jmp_amp.flax.make_train_step`; for linen `model` is
+      a callable ``model(*args, **kwargs)``, as for
+      `jmp_amp.flax.make_linen_train_step` (mutable collections are
+      updated inside and their updates dropped).
+    batch: the batch that went non-finite.
+    loss_scale: the loss scale of that step (a `jmp_amp.LossScale` or a
+      number): backward overflows often happen only at that scale.
+    rules: the rules the model's policies came from, for the verification
+      (the suggested rule is added to them); default: the policies
+      `get_policies` reports, one exact rule per module. For linen, the
+      rules to apply the module with (default: none).
+    variables: the linen module's variables (``params`` and any other
+      collection).
+    verify: re-run on a copy of the model with the suggested rule.
+    backward: also look at the gradient.
+
+  Returns:
+    A `jmp_amp.numerics.NonFinite`, or None if nothing went non-finite.
+  """
+  if isinstance(model, nn.Module):
+    if variables is None:
+      raise TypeError("find_nonfinite of a linen module needs its variables "
+                      "(variables=...)")
+    build = functools.partial(_linen_loss, model, variables, loss_fn, batch,
+                              loss_scale)
+    f, params = build(rules)
+  elif isinstance(model, nnx.Module):
+    f, params = _nnx_loss(model, loss_fn, batch, loss_scale)
+  else:
+    raise TypeError("find_nonfinite takes an nnx.Module or a linen Module, "
+                    f"got {type(model).__name__}")
+  report = localise.find_nonfinite(f, params, backward=backward)
+  if report is None or report.module is None:
+    return report
+  rule = {report.module: "float32"}
+  fixed = None
+  if verify:
+    if isinstance(model, nn.Module):
+      g, p = build(rules_lib.PolicyRules(_as_mapping(rules)) | rule)
+    else:
+      clone = nnx.clone(model)
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nnx_lib.set_policies(clone,
+                             _fixed_rules(model, rules, report.module))
+      g, p = _nnx_loss(clone, loss_fn, batch, loss_scale)
+    value, grads = jax.jit(jax.value_and_grad(g))(p)
+    fixed = _all_finite((value, grads)) if backward else _all_finite(value)
+  return dataclasses.replace(report, suggested_rule=rule,
+                                      fixed=fixed)

@@ -1,0 +1,437 @@
+"""Numerics telemetry and the localiser of the first inf/NaN (issue 26).
+
+The fault suite: float16-only faults (`jmp_amp.testing.precision_fault`:
+inf in a `mul`, NaN in a `div`, in the forward value or in the gradient)
+put into one module of the MLP, ResNet and GPT through its op knob; the
+localiser must name that module, that op and that direction, and the float32
+rule it suggests must remove every inf/NaN. The fast subset covers each
+kind and direction once; the rest is marked slow.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_amp
+import jmp_amp.flax
+import jmp_amp.flax.numerics as fnum
+import jmp_amp.numerics
+import jmp_amp.testing
+from jmp_amp import models
+
+F16_RULES = jmp_amp.flax.mixed_rules("float16")
+OP = {"overflow": "mul", "nan": "div"}
+
+
+# --------------------------------------------------------------------------
+# The models and where a fault goes.
+
+
+def _mlp():
+  model = models.MLP(8, 4, 3, width=16, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  y = jax.random.normal(jax.random.key(2), (4, 4))
+  loss = lambda m, b: jnp.mean((m(b[0]).astype(jnp.float32) - b[1]) ** 2)
+  return model, loss, (x, y)
+
+
+def _gpt():
+  model = models.GPT(vocab_size=16, d_model=8, num_heads=2, num_layers=2,
+                     max_len=6, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, 16)
+  return model, lambda m, t: models.lm_loss(m(t), t), tokens
+
+
+def _resnet():
+  model = models.ResNet((1, 1), base_width=4, num_classes=3,
+                        rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
+  labels = jnp.array([0, 2])
+  return model, (lambda m, b: models.cross_entropy_loss(
+      m(b[0]).astype(jnp.float32), b[1])), (x, labels)
+
+
+MODELS = {"mlp": _mlp, "gpt": _gpt, "resnet": _resnet}
+# (model, module path, knob the fault goes through).
+SITES = [
+    ("mlp", "layers/0", "dot_general"),
+    ("mlp", "layers/1", "dot_general"),
+    ("mlp", "layers/2", "dot_general"),
+    ("gpt", "blocks/0/attn", "einsum_op"),
+    ("gpt", "blocks/1/attn/qkv", "dot_general"),
+    ("gpt", "blocks/0/mlp/fc", "dot_general"),
+    ("resnet", "stem", "conv_general_dilated"),
+    ("resnet", "blocks/1/conv2", "conv_general_dilated"),
+    ("resnet", "head", "dot_general"),
+]
+KNOB_DEFAULT = {"dot_general": jax.lax.dot_general,
+                "conv_general_dilated": jax.lax.conv_general_dilated,
+                "einsum_op": jnp.einsum}
+FAULTS = [(kind, backward) for kind in ("overflow", "nan")
+          for backward in (False, True)]
+FAST = {("mlp", "layers/1", "overflow", False), ("mlp", "layers/2", "nan",
+                                                   True)}
+
+
+def _module(model, path):
+  for p, m in nnx.iter_modules(model):
+    if "/".join(str(x) for x in p) == path:
+      return m
+  raise KeyError(path)
+
+
+def _cases():
+  for name, path, knob in SITES:
+    for kind, backward in FAULTS:
+      marks = () if (name, path, kind, backward) in FAST else (
+          pytest.mark.slow,)
+      yield pytest.param(name, path, knob, kind, backward, marks=marks,
+                         id=f"{name}-{path}-{kind}-"
+                         f"{'bwd' if backward else 'fwd'}")
+
+
+def test_the_fault_suite_has_at_least_30_faults():
+  assert len(list(_cases())) >= 30
+
+
+@pytest.mark.parametrize("name,path,knob,kind,backward", list(_cases()))
+def test_localiser_names_module_op_and_the_rule_fixes_it(
+    name, path, knob, kind, backward):
+  model, loss_fn, batch = MODELS[name]()
+  setattr(_module(model, path), knob, jmp_amp.testing.precision_fault(
+      KNOB_DEFAULT[knob], kind, backward=backward))
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  report = fnum.find_nonfinite(model, loss_fn, batch, rules=F16_RULES,
+                               loss_scale=2.0 ** 4)
+  assert report is not None
+  assert (report.module, report.primitive, report.direction) == (
+      path, OP[kind], "backward" if backward else "forward"), str(report)
+  assert "float16" in report.in_dtypes
+  assert report.suggested_rule == {path: "float32"}
+  assert report.fixed is True, str(report)
+  assert "jmp_amp/testing.py" in report.source or backward
+
+
+@pytest.mark.slow
+def test_a_clean_model_has_no_report_and_a_fault_in_float32_fires_not():
+  model, loss_fn, batch = _mlp()
+  model.layers[1].dot_general = jmp_amp.testing.precision_fault(
+      jax.lax.dot_general, "overflow")
+  assert fnum.find_nonfinite(model, loss_fn, batch) is None  # float32
+  clean, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(clean, F16_RULES)
+  assert fnum.find_nonfinite(clean, loss_fn, batch) is None
+
+
+@pytest.mark.slow
+def test_fixed_says_whether_the_rule_removed_every_inf_nan():
+  model, loss_fn, (x, y) = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  batch = (x.at[0, 0].set(1e5), y)  # inf once cast to float16 in layers/0.
+  report = fnum.find_nonfinite(model, loss_fn, batch, rules=F16_RULES)
+  assert (report.module, report.primitive) == ("layers/0",
+                                               "convert_element_type")
+  assert report.max_finite == pytest.approx(1e5)
+  # What the rule does, checked independently: layers/0 in float32 passes
+  # values beyond float16's range on to layers/1, still float16.
+  fixed = nnx.clone(model)
+  jmp_amp.flax.set_policies(fixed, F16_RULES | report.suggested_rule)
+  loss, grads = nnx.value_and_grad(loss_fn)(fixed, batch)
+  expected = bool(jnp.isfinite(loss)) and all(
+      bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+  assert report.fixed is expected
+  assert str(report).count("does NOT remove" if not expected else
+                           "removes every") == 1
+
+
+def test_linen_model_localised_and_verified():
+  module = models.LinenMLP(16, 4, 2, width=8)
+  x = jnp.full((2, 16), 6e4)  # finite in float16; the first layer's product not
+  variables = module.init(jax.random.key(0), x)
+  loss_fn = lambda net, x: jnp.mean(net(x).astype(jnp.float32))
+  report = fnum.find_nonfinite(module, loss_fn, x, variables=variables,
+                               rules="mixed_float16")
+  first = sorted(variables["params"])[0]
+  assert (report.module, report.primitive, report.direction) == (
+      first, "dot_general", "forward"), str(report)
+  assert report.suggested_rule == {first: "float32"}
+  y = jmp_amp.flax.apply_with_policies(
+      module, {"*": "mixed_float16", first: "float32"}, variables, x)
+  assert report.fixed is bool(jnp.isfinite(y).all())
+  with pytest.raises(TypeError, match="variables"):
+    fnum.find_nonfinite(module, loss_fn, x)
+
+
+# --------------------------------------------------------------------------
+# The localiser on plain functions.
+
+
+def test_plain_function_forward_and_backward():
+  def f(x):
+    with jax.named_scope("scores"):
+      s = x * 300.0
+    with jax.named_scope("out"):
+      return jnp.sum(jnp.sqrt(s))
+
+  fwd = jmp_amp.numerics.find_nonfinite(
+      f, jnp.array([1.0, 300.0], jnp.float16))
+  assert (fwd.primitive, fwd.direction, fwd.module) == ("mul", "forward",
+                                                        "scores")
+  assert fwd.max_finite == 300.0 and fwd.outputs == ("inf",)
+  # sqrt'(0) is inf: only the gradient goes non-finite.
+  bwd = jmp_amp.numerics.find_nonfinite(f, jnp.array([0.0, 1.0]))
+  assert (bwd.direction, bwd.module) == ("backward", "out"), str(bwd)
+  assert jmp_amp.numerics.find_nonfinite(
+      f, jnp.array([0.0, 1.0]), backward=False) is None
+  assert "test_numerics.py" in bwd.source
+
+
+def test_nonfinite_inputs_are_not_blamed_on_an_op():
+  f = lambda x: jnp.sum(x * 2)
+  assert jmp_amp.numerics.find_nonfinite(f, jnp.array([jnp.nan])) is None
+
+
+def test_enters_jit_and_custom_jvp():
+  inner = jax.jit(lambda x: jnp.exp(x) * 2)
+  r = jmp_amp.numerics.find_nonfinite(
+      lambda x: jnp.sum(jax.nn.relu(inner(x))), jnp.float16(12.0))
+  assert (r.primitive, r.direction) == ("exp", "forward")
+
+
+def test_find_nonfinite_rejects_non_callables():
+  with pytest.raises(TypeError, match="takes a function"):
+    jmp_amp.numerics.find_nonfinite(3.0, 1.0)
+  with pytest.raises(TypeError, match="nnx.Module"):
+    fnum.find_nonfinite(lambda x: x, lambda m, b: 0.0, None)
+
+
+# --------------------------------------------------------------------------
+# Telemetry.
+
+
+def test_tensor_stats_against_numpy():
+  x = np.array([0.0, 1e-6, -3.0, 7e-5, np.inf, np.nan, 2.0, 0.0], np.float32)
+  s = jax.jit(jmp_amp.numerics.tensor_stats, static_argnums=1)(
+      x, jnp.float16)
+  assert float(s["max_abs"]) == 3.0
+  assert float(s["underflow"]) == pytest.approx(1 / 8)  # 1e-6 < 6.1e-5
+  assert float(s["zeros"]) == pytest.approx(2 / 8)
+  assert float(s["nonfinite"]) == 2
+  with pytest.raises(TypeError, match="floating"):
+    jmp_amp.numerics.tensor_stats(jnp.arange(3))
+
+
+def test_watch_records_selected_module_outputs():
+  model, _, (x, _) = _mlp()
+  with fnum.watch(model, ["layers/1", nnx.Linear]) as seen:
+    y = model(x)
+  assert list(seen.outputs) == ["layers/0", "layers/1", "layers/2"]
+  h = jax.nn.relu(model.layers[0](x))
+  expected = float(jnp.max(jnp.abs(model.layers[1](h))))
+  assert float(seen.outputs["layers/1"]["max_abs"]) == pytest.approx(
+      expected, rel=1e-6)
+  assert float(seen.outputs["layers/2"]["max_abs"]) == pytest.approx(
+      float(jnp.max(jnp.abs(y))), rel=1e-6)
+  with fnum.watch(model, "layers/0") as seen:
+    model(x)
+  assert list(seen.outputs) == ["layers/0"]
+
+
+def test_watch_chains_and_restores_a_previous_profiler():
+  model, _, (x, _) = _mlp()
+  calls = []
+  profiler = lambda frame, event, arg: calls.append(event)
+  sys.setprofile(profiler)
+  try:
+    with fnum.watch(model, "**") as seen:
+      model(x)
+    assert sys.getprofile() is profiler
+  finally:
+    sys.setprofile(None)
+  assert "call" in calls and len(seen.outputs) == 4  # the root and 3 layers
+
+
+def test_watch_linen_records_and_scopes():
+  module = models.LinenMLP(8, 4, 2, width=16)
+  x = jnp.ones((2, 8))
+  variables = module.init(jax.random.key(0), x)
+
+  def f(v):
+    with fnum.watch(None, "**") as seen:
+      y = module.apply(v, x)
+    return y, seen.outputs
+
+  y, outputs = jax.jit(f)(variables)
+  assert "" in outputs and len(outputs) == 3
+  assert float(outputs[""]["max_abs"]) == pytest.approx(
+      float(jnp.max(jnp.abs(y))))
+  from jmp_amp._src import localise  # pylint: disable=g-import-not-at-top
+  eqns = jax.make_jaxpr(f)(variables).jaxpr.eqns
+  scoped = {localise.module_of(str(e.source_info.name_stack)) for e in eqns}
+  assert set(outputs) - {""} <= scoped, (scoped, set(outputs))
+
+
+def test_bad_select_is_refused():
+  with pytest.raises(TypeError, match="path pattern"):
+    jmp_amp.flax.make_train_step(lambda m, b: 0.0, numerics=3)
+  with pytest.raises(ValueError, match="Invalid path pattern"):
+    jmp_amp.flax.make_train_step(lambda m, b: 0.0, numerics="a/[")
+  with pytest.raises(TypeError, match="not a Flax module class"):
+    jmp_amp.flax.make_train_step(lambda m, b: 0.0, numerics=[int])
+  with pytest.raises(TypeError, match="on_nonfinite"):
+    jmp_amp.flax.make_train_step(lambda m, b: 0.0, on_nonfinite=3)
+
+
+def _gpt_training():
+  model, loss_fn, tokens = _gpt()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+  return model, opt, loss_fn, tokens
+
+
+def test_train_step_off_compiles_the_same_program_and_on_differs():
+  model, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+
+  def text(step):  # The compiled HLO, without source locations.
+    hlo = step.lower(model, opt, batch).compile().as_text()
+    return re.sub(r",? metadata=\{[^}]*\}", "", hlo.split("\nFileNames")[0])
+
+  plain = text(jmp_amp.flax.make_train_step(loss_fn))
+  assert text(jmp_amp.flax.make_train_step(
+      loss_fn, numerics=None, on_nonfinite=print)) == plain
+  assert text(jmp_amp.flax.make_train_step(loss_fn, numerics="**")) != plain
+
+
+@pytest.mark.slow
+def test_train_step_telemetry_and_the_hook_report_once_gpt():
+  model, opt, loss_fn, tokens = _gpt_training()
+  reports = []
+  step = jmp_amp.flax.make_train_step(
+      loss_fn, numerics=["blocks/*/attn", nnx.LayerNorm],
+      on_nonfinite=reports.append)
+  metrics = step(model, opt, tokens)
+  numerics = jax.device_get(metrics["numerics"])
+  assert set(numerics) == {"blocks/0/attn", "blocks/1/attn", "blocks/0/ln1",
+                           "blocks/0/ln2", "blocks/1/ln1", "blocks/1/ln2",
+                           "ln_f"}
+  assert set(numerics["blocks/0/ln1"]) == {"out", "grad"}
+  assert set(numerics["blocks/0/attn"]) == {"out"}  # Its params are below.
+  assert all(s["nonfinite"] == 0 for k in numerics.values()
+             for s in k.values())
+  assert not reports
+  kernel = model.blocks[1].attn.qkv.kernel
+  kernel[...] = kernel[...] * 3000.0  # The scores overflow float16.
+  for _ in range(2):
+    metrics = step(model, opt, tokens)
+    assert not bool(metrics["grads_finite"])
+  numerics = jax.device_get(metrics["numerics"])
+  assert numerics["blocks/0/attn"]["out"]["nonfinite"] == 0
+  assert numerics["blocks/1/attn"]["out"]["nonfinite"] > 0
+  assert len(reports) == 1
+  assert (reports[0].module, reports[0].primitive) == ("blocks/1/attn",
+                                                       "dot_general")
+  assert reports[0].fixed is True
+  text = jmp_amp.numerics.format_stats(numerics, top=3)
+  assert text.splitlines()[1].startswith("blocks/1/attn")
+
+
+def test_train_step_telemetry_and_the_hook_report_once_mlp():
+  model, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+  reports = []
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics="layers/*",
+                                      on_nonfinite=reports.append)
+  numerics = jax.device_get(step(model, opt, batch)["numerics"])
+  assert list(numerics) == ["layers/0", "layers/1", "layers/2"]
+  assert set(numerics["layers/0"]) == {"out", "grad"}
+  assert numerics["layers/2"]["grad"]["max_abs"] > 0 and not reports
+  kernel = model.layers[1].kernel
+  kernel[...] = kernel[...] * 1e5  # layers/1's float16 matmul overflows.
+  for _ in range(2):
+    metrics = step(model, opt, batch)
+  numerics = jax.device_get(metrics["numerics"])
+  assert numerics["layers/0"]["out"]["nonfinite"] == 0
+  assert numerics["layers/1"]["out"]["nonfinite"] > 0
+  assert len(reports) == 1, reports
+  assert (reports[0].module, reports[0].primitive) == ("layers/1",
+                                                       "dot_general")
+  text = jmp_amp.numerics.format_stats(numerics, top=2)
+  assert len(text.splitlines()) == 3 and "layers/" in text.splitlines()[1]
+
+
+def test_grad_stats_of_linen_params():
+  grads = {"Dense_0": {"kernel": jnp.array([1e-6, 0.0, jnp.inf]),
+                       "bias": jnp.array([2.0])}}
+  s = fnum.grad_stats(None, grads, "**")["Dense_0"]
+  assert float(s["max_abs"]) == 2.0 and float(s["nonfinite"]) == 1
+
+
+def test_linen_train_step_telemetry():
+  module = models.LinenMLP(8, 4, 2, width=16)
+  x, y = jnp.ones((2, 8)), jnp.zeros((2, 4))
+  rules = "mixed_float16"
+  variables = module.init(jax.random.key(0), x)
+  state = jmp_amp.flax.train.TrainState.create(
+      apply_fn=functools.partial(jmp_amp.flax.apply_with_policies, module,
+                                 rules),
+      params=variables["params"], tx=jmp_amp.loss_scaling(
+          optax.sgd(0.1), jmp_amp.NoOpLossScale()))
+  loss_fn = lambda m, b: jnp.mean((m(b[0]).astype(jnp.float32) - b[1]) ** 2)
+  step = jmp_amp.flax.make_linen_train_step(loss_fn, numerics="**",
+                                           donate=False)
+  _, metrics = step(state, (x, y))
+  numerics = jax.device_get(metrics["numerics"])
+  layers = sorted(variables["params"])
+  assert set(numerics) == {""} | set(layers)
+  assert all(set(numerics[p]) == {"out", "grad"} for p in layers)
+  out = jmp_amp.flax.apply_with_policies(module, rules, variables, x)
+  assert float(numerics[""]["out"]["max_abs"]) == pytest.approx(
+      float(jnp.max(jnp.abs(out.astype(jnp.float32)))), rel=1e-3)
+
+
+def test_fp8_layers_report_amax_and_scale():
+  model, loss_fn, (x, y) = _mlp()
+  jmp_amp.flax.set_policies(model, {"*": "float8"})
+  h = jax.nn.relu(model.layers[0](x))  # layers/1's input (layers/0: bf16)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics="layers/*")
+  numerics = jax.device_get(step(model, opt, (x, y))["numerics"])
+  fp8 = numerics["layers/1"]["fp8"]
+  assert set(numerics["layers/1"]) == {"out", "grad", "fp8"}
+  assert "fp8" not in numerics["layers/0"]  # the first layer stays bf16
+  assert float(fp8["amax_lhs"]) == pytest.approx(
+      float(jnp.max(jnp.abs(h.astype(jnp.float32)))), rel=1e-2)
+  assert float(fp8["scale_lhs"]) == pytest.approx(
+      float(fp8["amax_lhs"]) / float(jnp.finfo(jnp.float8_e4m3fn).max))
+  assert "fp8" not in jmp_amp.numerics.format_stats(numerics)
+
+
+def test_telemetry_step_never_syncs_with_the_host():
+  from test_no_host_sync import no_host_sync  # pylint: disable=g-import-not-at-top
+  model, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics="**")
+  batch = jax.device_put(batch)
+  step(model, opt, batch)  # compiles
+  with no_host_sync():
+    for _ in range(2):
+      metrics = step(model, opt, batch)
+  assert float(metrics["numerics"]["layers/0"]["out"]["max_abs"]) > 0
