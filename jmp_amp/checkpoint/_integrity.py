@@ -33,13 +33,17 @@ def checksum(x: Any) -> Optional[str]:
 
   None for abstract leaves, for Python numbers (orbax restores them as the
   target's Python type, whose bytes may differ from the saved ones) and for
-  arrays this process cannot read whole (multi-process sharding).
+  arrays split over several processes, which no process holds whole. A
+  replicated array of a multi-process run (a loss scale) is summed from this
+  process's copy: every process computes the same sum.
   """
   if isinstance(x, jax.Array):
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       x = jax.random.key_data(x)
     if not x.is_fully_addressable:
-      return None
+      if not x.is_fully_replicated:
+        return None
+      x = x.addressable_data(0)
   elif not isinstance(x, (np.ndarray, np.generic)):
     return None
   data = np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)

@@ -1,0 +1,369 @@
+"""Several processes with JAX's distributed runtime: loss scaling, FP8 state
+and checkpoints agree on every process.
+
+`distributed_check.py` runs as N processes on localhost
+(`jax.distributed.initialize`, gloo CPU collectives, L simulated devices each,
+one global mesh), and once as a single process holding N x L devices, the
+reference. Each process writes what it saw; these tests compare. The fast
+suite runs 2 processes x 2 devices (an MLP data-parallel under float16
+dynamic loss scaling, a GPT FSDP-sharded under bfloat16, checkpoint and
+resume, a process killed mid-save, an FP8 MLP); the slow suite runs every
+model x layout x precision, and 4 processes.
+
+Every launch has a deadline; a process that fails or is killed takes the
+others down with it (a peer blocked in a collective would wait for it), so a
+hang costs at most `TIMEOUT` seconds, never the CI job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "distributed_check.py")
+ROOT = os.path.dirname(os.path.dirname(SCRIPT))
+TIMEOUT = 300  # seconds, per launch
+GRACE = 5  # seconds the others get once one process has died
+FAULT_STEPS = (1, 4)
+STEPS = 6
+FAST_CASES = ("mlp-dp-fp16", "gpt-fsdp-bf16")
+ALL_CASES = tuple(f"{m}-{l}-{p}" for m in ("mlp", "gpt")
+                  for l in ("dp", "fsdp") for p in ("fp16", "bf16"))
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(num_processes: int) -> dict[str, str]:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the script sets its own device count
+  env["JAX_PLATFORMS"] = "cpu"
+  env["DISTRIBUTED_CHECK_AS_PROCESSES"] = str(num_processes)
+  # The checkout under test, not whichever jmp_amp the venv has installed.
+  env["PYTHONPATH"] = os.pathsep.join(
+      [ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+  return env
+
+
+def _kill(proc: subprocess.Popen) -> None:
+  if proc.poll() is None:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)  # its own session: it and its children
+    except ProcessLookupError:
+      pass
+  proc.wait()
+
+
+def launch(out, num_processes: int, local_devices: int, *args: str,
+           reference: bool = False, killed: int | None = None,
+           timeout: float = TIMEOUT) -> list[int]:
+  """Runs the script as `num_processes` processes (or as the one-process
+  reference on as many devices) and returns their exit codes.
+
+  Raises (with every process's log tail) if one fails, or the launch passes
+  its deadline; process `killed` is expected to kill itself, and the others
+  are then stopped after `GRACE` seconds.
+  """
+  out = str(out)
+  os.makedirs(out, exist_ok=True)
+  if reference:
+    commands = [["--num-processes", "1",
+                 "--local-devices", str(num_processes * local_devices)]]
+  else:
+    port = str(_free_port())
+    commands = [["--process-id", str(i), "--num-processes",
+                 str(num_processes), "--port", port,
+                 "--local-devices", str(local_devices)]
+                for i in range(num_processes)]
+  procs, logs = [], []
+  try:
+    for i, command in enumerate(commands):
+      log = os.path.join(out, f"log.{'ref' if reference else i}.txt")
+      logs.append(log)
+      with open(log, "w") as f:
+        procs.append(subprocess.Popen(
+            [sys.executable, SCRIPT, "--out", out, *command, *args],
+            stdout=f, stderr=subprocess.STDOUT, env=_env(num_processes),
+            cwd=os.path.dirname(SCRIPT), start_new_session=True))
+    deadline = time.monotonic() + timeout
+    died_at = None
+    while any(p.poll() is None for p in procs):
+      now = time.monotonic()
+      if died_at is None and any(p.poll() not in (None, 0) for p in procs):
+        died_at = now
+      if now > deadline or (died_at is not None and now > died_at + GRACE):
+        break
+      time.sleep(0.05)
+  finally:
+    for p in procs:
+      _kill(p)
+  codes = [p.returncode for p in procs]
+  expected = [-signal.SIGKILL if i == killed else 0
+              for i in range(len(procs))]
+  if killed is not None:
+    ok = codes[killed] == -signal.SIGKILL
+  else:
+    ok = codes == expected
+  if not ok:
+    tails = "\n".join(f"--- process {i} (exit {c}):\n{_tail(log)}"
+                      for i, (c, log) in enumerate(zip(codes, logs)))
+    raise AssertionError(f"launch {args} failed or timed out:\n{tails}")
+  return codes
+
+
+def _tail(path: str, lines: int = 25) -> str:
+  with open(path, errors="replace") as f:
+    return "".join(f.readlines()[-lines:])
+
+
+def load(out, case: str, num: int):
+  """Each process's (record, arrays) for `case`."""
+  result = []
+  for i in range(num):
+    with open(os.path.join(str(out), f"{case}.p{i}.json")) as f:
+      record = json.load(f)
+    path = os.path.join(str(out), f"{case}.p{i}.npz")
+    arrays = None
+    if os.path.exists(path):
+      with np.load(path) as z:
+        arrays = [z[f"arr_{j}"] for j in range(len(z.files))]
+    result.append((record, arrays))
+  return result
+
+
+def _shared_run(tmp_path_factory, name: str, runs) -> str:
+  """Runs `runs(out)` once per test session, even with several xdist
+  workers (the others wait for it and read its output)."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent
+  out = base / f"distributed-{name}"
+  filelock = pytest.importorskip("filelock")
+  with filelock.FileLock(str(out) + ".lock"):
+    done = out / "done"
+    if not done.exists():
+      if out.exists():
+        raise AssertionError(f"an earlier launch of {name} failed; see {out}")
+      runs(out)
+      done.write_text("ok")
+  return str(out)
+
+
+def _train(out, processes, local_devices, cases, resume_cases=None):
+  """The run (saving at step 3), the one-process reference, the resumed run."""
+  ckpt = os.path.join(out, "ckpt")
+  launch(out, processes, local_devices, "--cases", ",".join(cases),
+         "--ckpt", ckpt, "--save-at", "3")
+  launch(os.path.join(out, "ref"), processes, local_devices,
+         "--cases", ",".join(cases), reference=True)
+  if resume_cases:
+    launch(os.path.join(out, "resumed"), processes, local_devices,
+           "--cases", ",".join(resume_cases), "--ckpt", ckpt, "--resume")
+
+
+FP8_CASE = "mlp-dp-fp8"
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+  """2 processes x 2 devices: the fast cases, FP8, checkpoint and resume."""
+  return _shared_run(tmp_path_factory, "two", lambda out: _train(
+      str(out), 2, 2, FAST_CASES + (FP8_CASE,), FAST_CASES))
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+  """2 processes save step 1; process 1 is SIGKILLed during step 2's save;
+  then a fresh 2-process run reads the directory."""
+  def runs(out):
+    ckpt = os.path.join(str(out), "ckpt")
+    codes = launch(out, 2, 2, "--scenario", "kill", "--ckpt", ckpt,
+                   killed=1)
+    with open(os.path.join(str(out), "kill-codes.json"), "w") as f:
+      json.dump(codes, f)
+    launch(out, 2, 2, "--scenario", "after-kill", "--ckpt", ckpt)
+  return _shared_run(tmp_path_factory, "killed", runs)
+
+
+def _same_bytes(a, b) -> bool:
+  return len(a) == len(b) and all(
+      x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def _max_diff(a, b) -> float:
+  return max(float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+             for x, y in zip(a, b))
+
+
+def _scaling(record):
+  """What the loss scaling decided at each step (exact, rounding-free)."""
+  return [(s["grads_finite"], s["loss_scale"], s["skipped_steps"], s["steps"])
+          for s in record["steps"]]
+
+
+def check_skips_and_agreement(out, case, num):
+  runs = load(out, case, num)
+  records = [r for r, _ in runs]
+  # The NaN is in the last process's shard of the batch, and only there.
+  assert [r["fault_rows_here"] for r in records] == (
+      [False] * (num - 1) + [True])
+  assert all(r["processes"] == num for r in records)
+  for r in records:
+    finite = [s["grads_finite"] for s in r["steps"]]
+    assert [i for i, f in enumerate(finite) if not f] == list(FAULT_STEPS)
+    assert r["steps"][-1]["skipped_steps"] == len(FAULT_STEPS)
+    assert r["steps"][-1]["steps"] == STEPS
+    assert r["compiles"] == 1  # skipping is data flow: one program
+  # Every process saw the same steps, scale, counters and losses, and
+  # holds the same final state, bit for bit.
+  for r, arrays in runs[1:]:
+    assert r["steps"] == records[0]["steps"]
+    assert _same_bytes(arrays, runs[0][1])
+  return runs
+
+
+# Params after 6 steps (4 applied) vs the one-process run on the same
+# devices, when the reduction order differs (2 devices per process: XLA
+# adds each process's two partial gradients, then gloo adds the processes'
+# sums: (g0 + g1) + (g2 + g3), where one process with 4 devices adds them in
+# its own order). The gradients then differ in their last bits (float32,
+# ~1e-7 relative); Adam divides by sqrt(v), so an element whose gradient is
+# near 0 amplifies that, and float16 compute can round an activation the
+# other way. Measured: 7e-5 (MLP, float16), 1.2e-7 (GPT, bfloat16); bound
+# 1e-3, a tenth of one Adam step (lr 1e-2), far below what a skipped step or
+# a wrong scale changes (the whole step: ~1e-2). With one device per process
+# the orders agree and the runs are bitwise equal (the slow test).
+REORDER_BOUND = 1e-3
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_every_process_skips_exactly_the_nan_steps(two, case):
+  check_skips_and_agreement(two, case, 2)
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_matches_the_single_process_run(two, case):
+  runs = load(two, case, 2)
+  ref_record, ref_arrays = load(os.path.join(two, "ref"), case, 1)[0]
+  assert ref_record["processes"] == 1 and ref_record["devices"] == 4
+  assert runs[0][0]["devices"] == 4
+  # The skip decisions, scales and counters are exact; the losses and
+  # params differ by the reduction order only.
+  assert _scaling(runs[0][0]) == _scaling(ref_record)
+  for s, t in zip(runs[0][0]["steps"], ref_record["steps"]):
+    assert np.isnan(s["loss"]) == np.isnan(t["loss"])
+    assert np.isnan(s["loss"]) or abs(s["loss"] - t["loss"]) <= 1e-4 * abs(
+        t["loss"])
+  assert _max_diff(runs[0][1], ref_arrays) <= REORDER_BOUND
+  if "fsdp" in case:
+    assert any(runs[0][0]["state_sharded"])  # really split over processes
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_resumes_bitwise_from_a_multiprocess_checkpoint(two, case):
+  full = load(two, case, 2)
+  resumed = load(os.path.join(two, "resumed"), case, 2)
+  for (r, arrays), (full_r, full_arrays) in zip(resumed, full):
+    assert r["first_step"] == 3
+    assert r["steps"] == full_r["steps"][3:]  # faults after the resume too
+    assert _same_bytes(arrays, full_arrays)
+
+
+def test_fp8_amax_histories_are_global(two):
+  runs = check_skips_and_agreement(two, FP8_CASE, 2)
+  ref_record, ref_arrays = load(os.path.join(two, "ref"), FP8_CASE, 1)[0]
+  histories = [r["fp8_histories"] for r, _ in runs]
+  assert histories[0] == histories[1] == ref_record["fp8_histories"]
+  # Layer 0's newest input amax is the global batch's (bfloat16-rounded),
+  # which lives on process 1: not process 0's own.
+  newest = histories[0]["layers/0"]["lhs"][0]
+  global_amax = runs[0][0]["fp8_global_input_amax"]
+  local = runs[0][0]["fp8_process_input_amax"]
+  assert abs(newest - global_amax) <= 2**-7 * global_amax
+  assert local[1] == global_amax and local[0] < global_amax / 2
+  assert _max_diff(runs[0][1], ref_arrays) <= REORDER_BOUND
+
+
+def test_a_process_killed_mid_save_leaves_the_last_committed_step(killed):
+  with open(os.path.join(killed, "kill-codes.json")) as f:
+    codes = json.load(f)
+  # Process 1 killed itself once step 2's temporary directory existed;
+  # process 0 was still waiting for it (never finished the save) when the
+  # launcher stopped it.
+  assert codes == [-signal.SIGKILL, -signal.SIGKILL]
+  with open(os.path.join(killed, "kill.p1.json")) as f:
+    assert json.load(f)["saw"] == ["2.orbax-checkpoint-tmp"]
+  assert not os.path.exists(os.path.join(killed, "kill.p0.json"))
+  for record, _ in load(killed, "after-kill", 2):
+    assert record["latest_step"] == 1 and record["restored_step"] == 1
+    assert "2" not in record["listing"]
+    assert "2.orbax-checkpoint-tmp" in record["listing"]
+    assert record["restored_equal"] and all(record["restored_equal"])
+    # Into a target without shardings: each process its own whole copy.
+    assert record["unsharded_equal"] and all(record["unsharded_equal"])
+
+
+def test_replicated_arrays_are_checksummed_across_processes(killed):
+  record, _ = load(killed, "after-kill", 2)[0]
+  # The loss scale and counters, replicated over both processes, get their
+  # CRC-32; the split params and moments are checked by orbax alone.
+  assert "['opt_state'].loss_scale.loss_scale" in record["checksummed"]
+  assert not any(name.startswith("['params']")
+                 for name in record["checksummed"])
+
+
+def test_save_refuses_arrays_of_one_process(killed):
+  for record, _ in load(killed, "local-save", 2):
+    assert record["error"] and "multi-process run (2 processes)" in (
+        record["error"])
+    assert ".loss_scale.loss_scale" in record["error"]
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+  def runs(out):
+    # One device per process: the same reduction order as one process.
+    _train(os.path.join(str(out), "one"), 2, 1, ALL_CASES + (FP8_CASE,))
+    # Four processes, two devices each, resumed from their checkpoint.
+    _train(os.path.join(str(out), "four"), 4, 2, ALL_CASES, ALL_CASES)
+  return _shared_run(tmp_path_factory, "slow", runs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ALL_CASES + (FP8_CASE,))
+def test_one_device_per_process_is_bitwise_the_single_process_run(
+    slow_runs, case):
+  out = os.path.join(slow_runs, "one")
+  runs = check_skips_and_agreement(out, case, 2)
+  ref_record, ref_arrays = load(os.path.join(out, "ref"), case, 1)[0]
+  assert ref_record["steps"] == runs[0][0]["steps"]
+  assert _same_bytes(runs[0][1], ref_arrays)
+  if case == FP8_CASE:
+    assert runs[0][0]["fp8_histories"] == ref_record["fp8_histories"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_four_processes(slow_runs, case):
+  out = os.path.join(slow_runs, "four")
+  runs = check_skips_and_agreement(out, case, 4)
+  ref_record, ref_arrays = load(os.path.join(out, "ref"), case, 1)[0]
+  assert ref_record["devices"] == runs[0][0]["devices"] == 8
+  assert _scaling(runs[0][0]) == _scaling(ref_record)
+  assert _max_diff(runs[0][1], ref_arrays) <= REORDER_BOUND
+  resumed = load(os.path.join(out, "resumed"), case, 4)
+  for (r, arrays), (full_r, full_arrays) in zip(resumed, runs):
+    assert r["steps"] == full_r["steps"][3:]
+    assert _same_bytes(arrays, full_arrays)
