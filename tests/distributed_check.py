@@ -26,10 +26,11 @@ the same global row.
 
 Checkpoints (``--ckpt DIR``): ``--save-at K`` saves the state after K steps
 with `jmp_amp.checkpoint.save` from every process; ``--resume`` starts from
-the latest step in DIR instead of from initialisation. ``--scenario kill``
-saves step 1, then starts an asynchronous save of step 2 and
-``--kill-process`` SIGKILLs itself once step 2's temporary directory exists;
-``--scenario after-kill`` (a fresh run) reads what is left.
+the latest step in DIR instead of from initialisation. ``--then kill``
+(after the cases) saves step 1 of another state in ``DIR/kill``, then starts
+an asynchronous save of step 2, and process ``--kill-process`` SIGKILLs
+itself once step 2's temporary directory exists; ``--then after-kill`` (in a
+fresh run) reads what is left.
 """
 
 import argparse
@@ -44,11 +45,9 @@ def parse_args(argv):
   p = argparse.ArgumentParser()
   p.add_argument("--process-id", type=int, default=0)
   p.add_argument("--num-processes", type=int, default=1)
-  p.add_argument("--port", type=int, default=0)
   p.add_argument("--local-devices", type=int, required=True)
   p.add_argument("--out", required=True)
-  p.add_argument("--scenario", default="train",
-                 choices=("train", "kill", "after-kill"))
+  p.add_argument("--then", default=None, choices=("kill", "after-kill"))
   p.add_argument("--cases", default="")
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--ckpt", default=None)
@@ -68,11 +67,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 if ARGS.num_processes > 1:
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{ARGS.port}",
-      num_processes=ARGS.num_processes, process_id=ARGS.process_id,
-      initialization_timeout=120)
+  # As docs/multi-host.md says: the launcher sets JAX_COORDINATOR_ADDRESS
+  # and JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo in every process's
+  # environment; the process count and index are passed.
+  assert jax.config.jax_cpu_collectives_implementation == "gloo"
+  jax.distributed.initialize(num_processes=ARGS.num_processes,
+                             process_id=ARGS.process_id,
+                             initialization_timeout=120)
 
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -386,13 +387,12 @@ def after_kill_scenario(mesh):
 def main():
   os.makedirs(ARGS.out, exist_ok=True)
   mesh = make_mesh()
-  if ARGS.scenario == "kill":
-    kill_scenario(mesh)
-  elif ARGS.scenario == "after-kill":
+  for case in filter(None, ARGS.cases.split(",")):
+    run_case(case, mesh)
+  if ARGS.then == "after-kill":
     after_kill_scenario(mesh)
-  else:
-    for case in ARGS.cases.split(","):
-      run_case(case, mesh)
+  elif ARGS.then == "kill":
+    kill_scenario(mesh)  # does not return in process --kill-process
   if ARGS.num_processes > 1:
     jax.distributed.shutdown()
   return 0

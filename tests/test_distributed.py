@@ -32,6 +32,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "distributed_check.py")
 ROOT = os.path.dirname(os.path.dirname(SCRIPT))
 TIMEOUT = 300  # seconds, per launch
+SLOW_TIMEOUT = 900  # the slow runs' launches: 8 cases, up to 4 processes
 GRACE = 5  # seconds the others get once one process has died
 FAULT_STEPS = (1, 4)
 STEPS = 6
@@ -46,8 +47,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _env(num_processes: int) -> dict[str, str]:
+def _env(num_processes: int, port: str | None) -> dict[str, str]:
   env = dict(os.environ)
+  if port is not None:  # what docs/multi-host.md tells a launcher to set
+    env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+    env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
+  else:
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
   env.pop("XLA_FLAGS", None)  # the script sets its own device count
   env["JAX_PLATFORMS"] = "cpu"
   env["DISTRIBUTED_CHECK_AS_PROCESSES"] = str(num_processes)
@@ -79,13 +85,13 @@ def launch(out, num_processes: int, local_devices: int, *args: str,
   out = str(out)
   os.makedirs(out, exist_ok=True)
   if reference:
+    port = None
     commands = [["--num-processes", "1",
                  "--local-devices", str(num_processes * local_devices)]]
   else:
     port = str(_free_port())
     commands = [["--process-id", str(i), "--num-processes",
-                 str(num_processes), "--port", port,
-                 "--local-devices", str(local_devices)]
+                 str(num_processes), "--local-devices", str(local_devices)]
                 for i in range(num_processes)]
   procs, logs = [], []
   try:
@@ -95,7 +101,7 @@ def launch(out, num_processes: int, local_devices: int, *args: str,
       with open(log, "w") as f:
         procs.append(subprocess.Popen(
             [sys.executable, SCRIPT, "--out", out, *command, *args],
-            stdout=f, stderr=subprocess.STDOUT, env=_env(num_processes),
+            stdout=f, stderr=subprocess.STDOUT, env=_env(num_processes, port),
             cwd=os.path.dirname(SCRIPT), start_new_session=True))
     deadline = time.monotonic() + timeout
     died_at = None
@@ -110,6 +116,8 @@ def launch(out, num_processes: int, local_devices: int, *args: str,
     for p in procs:
       _kill(p)
   codes = [p.returncode for p in procs]
+  with open(os.path.join(out, "codes.json"), "w") as f:
+    json.dump(codes, f)
   expected = [-signal.SIGKILL if i == killed else 0
               for i in range(len(procs))]
   if killed is not None:
@@ -161,40 +169,42 @@ def _shared_run(tmp_path_factory, name: str, runs) -> str:
   return str(out)
 
 
-def _train(out, processes, local_devices, cases, resume_cases=None):
-  """The run (saving at step 3), the one-process reference, the resumed run."""
-  ckpt = os.path.join(out, "ckpt")
-  launch(out, processes, local_devices, "--cases", ",".join(cases),
-         "--ckpt", ckpt, "--save-at", "3")
-  launch(os.path.join(out, "ref"), processes, local_devices,
-         "--cases", ",".join(cases), reference=True)
-  if resume_cases:
-    launch(os.path.join(out, "resumed"), processes, local_devices,
-           "--cases", ",".join(resume_cases), "--ckpt", ckpt, "--resume")
-
-
 FP8_CASE = "mlp-dp-fp8"
+
+
+def _train(out, processes, local_devices, cases, resume_cases, kill=False,
+           timeout=TIMEOUT):
+  """The run (saving at step 3; then, with `kill`, process 1 killed during a
+  save) and the run resumed from it (and reading the killed save)."""
+  ckpt = os.path.join(str(out), "ckpt")
+  launch(out, processes, local_devices, "--cases", ",".join(cases),
+         "--ckpt", ckpt, "--save-at", "3",
+         *(["--then", "kill"] if kill else []), killed=1 if kill else None,
+         timeout=timeout)
+  launch(os.path.join(str(out), "resumed"), processes, local_devices,
+         "--cases", ",".join(resume_cases), "--ckpt", ckpt, "--resume",
+         *(["--then", "after-kill"] if kill else []), timeout=timeout)
+
+
+def _reference(out, processes, local_devices, cases, timeout=TIMEOUT):
+  launch(out, processes, local_devices, "--cases", ",".join(cases),
+         reference=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-  """2 processes x 2 devices: the fast cases, FP8, checkpoint and resume."""
+  """2 processes x 2 devices: the fast cases and FP8, saved at step 3, then
+  a save killed in process 1; a fresh run resumes from step 3 and reads the
+  killed save's directory."""
   return _shared_run(tmp_path_factory, "two", lambda out: _train(
-      str(out), 2, 2, FAST_CASES + (FP8_CASE,), FAST_CASES))
+      out, 2, 2, FAST_CASES + (FP8_CASE,), FAST_CASES, kill=True))
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-  """2 processes save step 1; process 1 is SIGKILLed during step 2's save;
-  then a fresh 2-process run reads the directory."""
-  def runs(out):
-    ckpt = os.path.join(str(out), "ckpt")
-    codes = launch(out, 2, 2, "--scenario", "kill", "--ckpt", ckpt,
-                   killed=1)
-    with open(os.path.join(str(out), "kill-codes.json"), "w") as f:
-      json.dump(codes, f)
-    launch(out, 2, 2, "--scenario", "after-kill", "--ckpt", ckpt)
-  return _shared_run(tmp_path_factory, "killed", runs)
+def two_reference(tmp_path_factory):
+  """One process with the 4 devices of `two`."""
+  return _shared_run(tmp_path_factory, "two-reference", lambda out: (
+      _reference(out, 2, 2, FAST_CASES + (FP8_CASE,))))
 
 
 def _same_bytes(a, b) -> bool:
@@ -254,9 +264,9 @@ def test_every_process_skips_exactly_the_nan_steps(two, case):
 
 
 @pytest.mark.parametrize("case", FAST_CASES)
-def test_matches_the_single_process_run(two, case):
+def test_matches_the_single_process_run(two, two_reference, case):
   runs = load(two, case, 2)
-  ref_record, ref_arrays = load(os.path.join(two, "ref"), case, 1)[0]
+  ref_record, ref_arrays = load(two_reference, case, 1)[0]
   assert ref_record["processes"] == 1 and ref_record["devices"] == 4
   assert runs[0][0]["devices"] == 4
   # The skip decisions, scales and counters are exact; the losses and
@@ -281,9 +291,9 @@ def test_resumes_bitwise_from_a_multiprocess_checkpoint(two, case):
     assert _same_bytes(arrays, full_arrays)
 
 
-def test_fp8_amax_histories_are_global(two):
+def test_fp8_amax_histories_are_global(two, two_reference):
   runs = check_skips_and_agreement(two, FP8_CASE, 2)
-  ref_record, ref_arrays = load(os.path.join(two, "ref"), FP8_CASE, 1)[0]
+  ref_record, ref_arrays = load(two_reference, FP8_CASE, 1)[0]
   histories = [r["fp8_histories"] for r, _ in runs]
   assert histories[0] == histories[1] == ref_record["fp8_histories"]
   # Layer 0's newest input amax is the global batch's (bfloat16-rounded),
@@ -296,17 +306,16 @@ def test_fp8_amax_histories_are_global(two):
   assert _max_diff(runs[0][1], ref_arrays) <= REORDER_BOUND
 
 
-def test_a_process_killed_mid_save_leaves_the_last_committed_step(killed):
-  with open(os.path.join(killed, "kill-codes.json")) as f:
+def test_a_process_killed_mid_save_leaves_the_last_committed_step(two):
+  with open(os.path.join(two, "codes.json")) as f:
     codes = json.load(f)
   # Process 1 killed itself once step 2's temporary directory existed;
-  # process 0 was still waiting for it (never finished the save) when the
-  # launcher stopped it.
-  assert codes == [-signal.SIGKILL, -signal.SIGKILL]
-  with open(os.path.join(killed, "kill.p1.json")) as f:
+  # process 0 was still waiting for it, and never finished the save.
+  assert codes[1] == -signal.SIGKILL and codes[0] != 0
+  with open(os.path.join(two, "kill.p1.json")) as f:
     assert json.load(f)["saw"] == ["2.orbax-checkpoint-tmp"]
-  assert not os.path.exists(os.path.join(killed, "kill.p0.json"))
-  for record, _ in load(killed, "after-kill", 2):
+  assert not os.path.exists(os.path.join(two, "kill.p0.json"))
+  for record, _ in load(os.path.join(two, "resumed"), "after-kill", 2):
     assert record["latest_step"] == 1 and record["restored_step"] == 1
     assert "2" not in record["listing"]
     assert "2.orbax-checkpoint-tmp" in record["listing"]
@@ -315,8 +324,8 @@ def test_a_process_killed_mid_save_leaves_the_last_committed_step(killed):
     assert record["unsharded_equal"] and all(record["unsharded_equal"])
 
 
-def test_replicated_arrays_are_checksummed_across_processes(killed):
-  record, _ = load(killed, "after-kill", 2)[0]
+def test_replicated_arrays_are_checksummed_across_processes(two):
+  record, _ = load(os.path.join(two, "resumed"), "after-kill", 2)[0]
   # The loss scale and counters, replicated over both processes, get their
   # CRC-32; the split params and moments are checked by orbax alone.
   assert "['opt_state'].loss_scale.loss_scale" in record["checksummed"]
@@ -324,8 +333,8 @@ def test_replicated_arrays_are_checksummed_across_processes(killed):
                  for name in record["checksummed"])
 
 
-def test_save_refuses_arrays_of_one_process(killed):
-  for record, _ in load(killed, "local-save", 2):
+def test_save_refuses_arrays_of_one_process(two):
+  for record, _ in load(two, "local-save", 2):
     assert record["error"] and "multi-process run (2 processes)" in (
         record["error"])
     assert ".loss_scale.loss_scale" in record["error"]
@@ -335,9 +344,16 @@ def test_save_refuses_arrays_of_one_process(killed):
 def slow_runs(tmp_path_factory):
   def runs(out):
     # One device per process: the same reduction order as one process.
-    _train(os.path.join(str(out), "one"), 2, 1, ALL_CASES + (FP8_CASE,))
+    one = os.path.join(str(out), "one")
+    launch(one, 2, 1, "--cases", ",".join(ALL_CASES + (FP8_CASE,)),
+           timeout=SLOW_TIMEOUT)
+    _reference(os.path.join(one, "ref"), 2, 1, ALL_CASES + (FP8_CASE,),
+               timeout=SLOW_TIMEOUT)
     # Four processes, two devices each, resumed from their checkpoint.
-    _train(os.path.join(str(out), "four"), 4, 2, ALL_CASES, ALL_CASES)
+    four = os.path.join(str(out), "four")
+    _train(four, 4, 2, ALL_CASES, ALL_CASES, timeout=SLOW_TIMEOUT)
+    _reference(os.path.join(four, "ref"), 4, 2, ALL_CASES,
+               timeout=SLOW_TIMEOUT)
   return _shared_run(tmp_path_factory, "slow", runs)
 
 
