@@ -36,6 +36,7 @@ fresh run) reads what is left.
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -377,11 +378,41 @@ def after_kill_scenario(mesh):
   whole = [bool(x.is_fully_addressable and np.array_equal(np.asarray(x), b))
            for x, b in zip(jax.tree.leaves(unsharded), gather(want))]
   with checkpoint.CheckpointManager(ckpt) as mngr:
-    summed = sorted(mngr.metadata(1)["checksums"]["arrays"])
+    sums = mngr.metadata(1)["checksums"]
   write("after-kill", {"latest_step": checkpoint.latest_step(ckpt),
                        "restored_step": step, "restored_equal": same,
-                       "unsharded_equal": whole, "checksummed": summed,
+                       "unsharded_equal": whole,
+                       "checksummed": sorted(sums["arrays"]),
+                       "shards_checksummed": {
+                           k: sorted(v) for k, v in sums["shards"].items()},
                        "listing": sorted(os.listdir(ckpt))})
+  swapped_arrays(mesh, target)
+
+
+def swapped_arrays(mesh, target):
+  """Another save's array files in place of step 1's: the split params'
+  shard checksums catch it in every process."""
+  from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
+  base = os.path.join(ARGS.ckpt, "swap")
+  checkpoint.save(os.path.join(base, "a"), kill_state(mesh, 1), step=1)
+  checkpoint.save(os.path.join(base, "b"), kill_state(mesh, 3), step=1)
+  multihost_utils.sync_global_devices("saved")
+  if jax.process_index() == 0:
+    shutil.rmtree(os.path.join(base, "a", "1", "state"))
+    shutil.copytree(os.path.join(base, "b", "1", "state"),
+                    os.path.join(base, "a", "1", "state"))
+  multihost_utils.sync_global_devices("swapped")
+  errors = []
+  # Into the saved shardings (each process checks its shards), and whole
+  # into each process (each checks every saved shard).
+  for t in (target, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)):
+    try:
+      checkpoint.restore(os.path.join(base, "a"), t)
+      errors.append(None)
+    except checkpoint.CheckpointCorruptedError as e:
+      errors.append({"message": str(e), "where": e.where, "step": e.step})
+  write("swapped", {"errors": errors})
 
 
 def main():

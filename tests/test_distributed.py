@@ -333,6 +333,27 @@ def test_replicated_arrays_are_checksummed_across_processes(two):
                  for name in record["checksummed"])
 
 
+def test_split_arrays_are_checksummed_shard_by_shard(two):
+  records = [r for r, _ in load(os.path.join(two, "resumed"), "after-kill", 2)]
+  # ['params']['w'] (512 x 512) is split over the 4 devices of 2 processes:
+  # one CRC-32 per shard, gathered from the processes that hold them.
+  shards = records[0]["shards_checksummed"]["['params']['w']"]
+  assert shards == sorted(f"{i * 128}:{(i + 1) * 128},0:512"
+                          for i in range(4))
+  assert records[1]["shards_checksummed"] == records[0]["shards_checksummed"]
+  # Another save's array files in place of the step's: every process
+  # refuses the restore, naming the array and the shard.
+  # Into the saved shardings, and whole into each process.
+  errors = [r["errors"] for r, _ in load(os.path.join(two, "resumed"),
+                                         "swapped", 2)]
+  assert errors[0] == errors[1]
+  assert len(errors[0]) == 2 and all(errors[0]), errors
+  for e in errors[0]:
+    assert e["step"] == 1 and e["where"] == (
+        "['params']['w'] (shard [0:128,0:512])")
+    assert "does not match its checksum" in e["message"]
+
+
 def test_save_refuses_arrays_of_one_process(two):
   for record, _ in load(two, "local-save", 2):
     assert record["error"] and "multi-process run (2 processes)" in (
