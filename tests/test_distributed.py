@@ -5,10 +5,11 @@ and checkpoints agree on every process.
 (`jax.distributed.initialize`, gloo CPU collectives, L simulated devices each,
 one global mesh), and once as a single process holding N x L devices, the
 reference. Each process writes what it saw; these tests compare. The fast
-suite runs 2 processes x 2 devices (an MLP data-parallel under float16
-dynamic loss scaling, a GPT FSDP-sharded under bfloat16, checkpoint and
-resume, a process killed mid-save, an FP8 MLP); the slow suite runs every
-model x layout x precision, and 4 processes.
+suite runs 2 processes x 2 devices (the MLP data-parallel under float16
+dynamic loss scaling and FSDP-sharded under bfloat16, checkpoint and resume,
+a process killed mid-save, an FP8 MLP); the slow suite runs every model
+(the GPT too) x layout x precision with one device per process (bitwise
+against one process), and 4 processes.
 
 Every launch has a deadline; a process that fails or is killed takes the
 others down with it (a peer blocked in a collective would wait for it), so a
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 
+import filelock
 import numpy as np
 import pytest
 
@@ -36,7 +38,13 @@ SLOW_TIMEOUT = 900  # the slow runs' launches: 8 cases, up to 4 processes
 GRACE = 5  # seconds the others get once one process has died
 FAULT_STEPS = (1, 4)
 STEPS = 6
-FAST_CASES = ("mlp-dp-fp16", "gpt-fsdp-bf16")
+# The fast suite: both layouts, both precisions, on the MLP (the GPT compiles
+# for twice as long; it runs in the slow suite).
+FAST_CASES = ("mlp-dp-fp16", "mlp-fsdp-bf16")
+# Four processes: each model, layout and precision once (every case runs
+# with one device per process); two of them resumed.
+FOUR_CASES = ("mlp-fsdp-fp16", "gpt-dp-fp16", "gpt-fsdp-bf16", "mlp-dp-bf16")
+FOUR_RESUMED = ("mlp-fsdp-fp16", "gpt-fsdp-bf16")
 ALL_CASES = tuple(f"{m}-{l}-{p}" for m in ("mlp", "gpt")
                   for l in ("dp", "fsdp") for p in ("fp16", "bf16"))
 
@@ -158,7 +166,6 @@ def _shared_run(tmp_path_factory, name: str, runs) -> str:
   if os.environ.get("PYTEST_XDIST_WORKER"):
     base = base.parent
   out = base / f"distributed-{name}"
-  filelock = pytest.importorskip("filelock")
   with filelock.FileLock(str(out) + ".lock"):
     done = out / "done"
     if not done.exists():
@@ -212,11 +219,6 @@ def _same_bytes(a, b) -> bool:
       x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a, b))
 
 
-def _max_diff(a, b) -> float:
-  return max(float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
-             for x, y in zip(a, b))
-
-
 def _scaling(record):
   """What the loss scaling decided at each step (exact, rounding-free)."""
   return [(s["grads_finite"], s["loss_scale"], s["skipped_steps"], s["steps"])
@@ -244,18 +246,42 @@ def check_skips_and_agreement(out, case, num):
   return runs
 
 
-# Params after 6 steps (4 applied) vs the one-process run on the same
-# devices, when the reduction order differs (2 devices per process: XLA
-# adds each process's two partial gradients, then gloo adds the processes'
-# sums: (g0 + g1) + (g2 + g3), where one process with 4 devices adds them in
-# its own order). The gradients then differ in their last bits (float32,
-# ~1e-7 relative); Adam divides by sqrt(v), so an element whose gradient is
-# near 0 amplifies that, and float16 compute can round an activation the
-# other way. Measured: 7e-5 (MLP, float16), 1.2e-7 (GPT, bfloat16); bound
-# 1e-3, a tenth of one Adam step (lr 1e-2), far below what a skipped step or
-# a wrong scale changes (the whole step: ~1e-2). With one device per process
-# the orders agree and the runs are bitwise equal (the slow test).
-REORDER_BOUND = 1e-3
+# The one-process run on the same devices, when the reduction order differs
+# (2 devices per process: XLA adds each process's two partial gradients, then
+# gloo adds the processes' sums, (g0 + g1) + (g2 + g3), where one process
+# with 4 devices adds them in its own order). The gradients then differ in
+# their last bits; float16 compute can round an activation the other way,
+# which changes a gradient a little more. Adam divides by sqrt(v): it moves
+# an element by about lr per step whatever the size of its gradient, so an
+# element whose gradient is near 0 can move the other way in one run. Hence
+# three bounds after the 4 applied steps (lr 1e-2):
+#   every element: 2 * lr * 4 (the two runs moving apart at every step);
+#   measured at most 0.04 (the GPT under float16, 4 processes), 7e-5 for
+#   the MLP under float16, 6e-8 under bfloat16;
+#   relative L2 norm of the difference: 1e-4 (measured at most 6e-6);
+#   elements more than 1e-3 apart: 1% (measured at most 0.09%);
+# and the losses agree to 1e-3 relative (measured at most 5e-5). A skipped
+# step or a wrong scale changes every element by a whole step. With one
+# device per process the orders agree and the runs are bitwise equal (the
+# slow test).
+LR, APPLIED = 1e-2, STEPS - len(FAULT_STEPS)
+
+
+def check_reorder_bound(runs, ref_record, ref_arrays):
+  record, arrays = runs[0]
+  assert _scaling(record) == _scaling(ref_record)  # exact
+  for s, t in zip(record["steps"], ref_record["steps"]):
+    assert np.isnan(s["loss"]) == np.isnan(t["loss"])
+    assert np.isnan(s["loss"]) or abs(s["loss"] - t["loss"]) <= 1e-3 * abs(
+        t["loss"])
+  diffs = [np.abs(x.astype(np.float64) - y.astype(np.float64))
+           for x, y in zip(arrays, ref_arrays)]
+  assert max(float(np.max(d)) for d in diffs) <= 2 * LR * APPLIED
+  norm = np.sqrt(sum(float(np.sum(y.astype(np.float64) ** 2))
+                     for y in ref_arrays))
+  assert np.sqrt(sum(float(np.sum(d ** 2)) for d in diffs)) <= 1e-4 * norm
+  far = sum(int(np.sum(d > 1e-3)) for d in diffs)
+  assert far <= 0.01 * sum(d.size for d in diffs)
 
 
 @pytest.mark.parametrize("case", FAST_CASES)
@@ -271,12 +297,7 @@ def test_matches_the_single_process_run(two, two_reference, case):
   assert runs[0][0]["devices"] == 4
   # The skip decisions, scales and counters are exact; the losses and
   # params differ by the reduction order only.
-  assert _scaling(runs[0][0]) == _scaling(ref_record)
-  for s, t in zip(runs[0][0]["steps"], ref_record["steps"]):
-    assert np.isnan(s["loss"]) == np.isnan(t["loss"])
-    assert np.isnan(s["loss"]) or abs(s["loss"] - t["loss"]) <= 1e-4 * abs(
-        t["loss"])
-  assert _max_diff(runs[0][1], ref_arrays) <= REORDER_BOUND
+  check_reorder_bound(runs, ref_record, ref_arrays)
   if "fsdp" in case:
     assert any(runs[0][0]["state_sharded"])  # really split over processes
 
@@ -303,7 +324,7 @@ def test_fp8_amax_histories_are_global(two, two_reference):
   local = runs[0][0]["fp8_process_input_amax"]
   assert abs(newest - global_amax) <= 2**-7 * global_amax
   assert local[1] == global_amax and local[0] < global_amax / 2
-  assert _max_diff(runs[0][1], ref_arrays) <= REORDER_BOUND
+  check_reorder_bound(runs, ref_record, ref_arrays)
 
 
 def test_a_process_killed_mid_save_leaves_the_last_committed_step(two):
@@ -372,8 +393,8 @@ def slow_runs(tmp_path_factory):
                timeout=SLOW_TIMEOUT)
     # Four processes, two devices each, resumed from their checkpoint.
     four = os.path.join(str(out), "four")
-    _train(four, 4, 2, ALL_CASES, ALL_CASES, timeout=SLOW_TIMEOUT)
-    _reference(os.path.join(four, "ref"), 4, 2, ALL_CASES,
+    _train(four, 4, 2, FOUR_CASES, FOUR_RESUMED, timeout=SLOW_TIMEOUT)
+    _reference(os.path.join(four, "ref"), 4, 2, FOUR_CASES,
                timeout=SLOW_TIMEOUT)
   return _shared_run(tmp_path_factory, "slow", runs)
 
@@ -392,14 +413,15 @@ def test_one_device_per_process_is_bitwise_the_single_process_run(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ALL_CASES)
+@pytest.mark.parametrize("case", FOUR_CASES)
 def test_four_processes(slow_runs, case):
   out = os.path.join(slow_runs, "four")
   runs = check_skips_and_agreement(out, case, 4)
   ref_record, ref_arrays = load(os.path.join(out, "ref"), case, 1)[0]
   assert ref_record["devices"] == runs[0][0]["devices"] == 8
-  assert _scaling(runs[0][0]) == _scaling(ref_record)
-  assert _max_diff(runs[0][1], ref_arrays) <= REORDER_BOUND
+  check_reorder_bound(runs, ref_record, ref_arrays)
+  if case not in FOUR_RESUMED:
+    return
   resumed = load(os.path.join(out, "resumed"), case, 4)
   for (r, arrays), (full_r, full_arrays) in zip(resumed, runs):
     assert r["steps"] == full_r["steps"][3:]
