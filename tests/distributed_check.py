@@ -241,9 +241,9 @@ def make_step(model_name, precision, graphdef, opt):
 
 
 def fp8_histories(graphdef, state):
-  """Layer 0's input amax history (its amax is the global batch's)."""
+  """Every FP8 op's amax histories, whole (split ones gathered)."""
   model = nnx.merge(graphdef, state)
-  return {name: {f: local_value(getattr(h, f)).tolist() for f in h._fields}
+  return {name: {f: a.tolist() for f, a in zip(h._fields, gather(h))}
           for name, h in jmp_amp.flax.fp8.histories(model).items()}
 
 
@@ -299,6 +299,9 @@ def run_case(case, mesh):
   record["compiles"] = step._cache_size()  # pylint: disable=protected-access
   if precision == "fp8":
     record["fp8_histories"] = fp8_histories(graphdef, state)
+    record["fp8_histories_split"] = [
+        not h.lhs.sharding.is_fully_replicated for h in
+        jmp_amp.flax.fp8.histories(nnx.merge(graphdef, state)).values()]
     record["fp8_global_input_amax"] = float(np.max(np.abs(xs[ARGS.steps - 1])))
     pid_rows = batch_size // simulated_processes()
     record["fp8_process_input_amax"] = [

@@ -176,7 +176,9 @@ def _shared_run(tmp_path_factory, name: str, runs) -> str:
   return str(out)
 
 
-FP8_CASE = "mlp-dp-fp8"
+# FSDP: the histories (history_len 4) are split over the 4 devices, so
+# restoring them gathers them to check them.
+FP8_CASE = "mlp-fsdp-fp8"
 
 
 def _train(out, processes, local_devices, cases, resume_cases, kill=False,
@@ -204,7 +206,8 @@ def two(tmp_path_factory):
   a save killed in process 1; a fresh run resumes from step 3 and reads the
   killed save's directory."""
   return _shared_run(tmp_path_factory, "two", lambda out: _train(
-      out, 2, 2, FAST_CASES + (FP8_CASE,), FAST_CASES, kill=True))
+      out, 2, 2, FAST_CASES + (FP8_CASE,), FAST_CASES + (FP8_CASE,),
+      kill=True))
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +305,7 @@ def test_matches_the_single_process_run(two, two_reference, case):
     assert any(runs[0][0]["state_sharded"])  # really split over processes
 
 
-@pytest.mark.parametrize("case", FAST_CASES)
+@pytest.mark.parametrize("case", FAST_CASES + (FP8_CASE,))
 def test_resumes_bitwise_from_a_multiprocess_checkpoint(two, case):
   full = load(two, case, 2)
   resumed = load(os.path.join(two, "resumed"), case, 2)
@@ -315,6 +318,7 @@ def test_resumes_bitwise_from_a_multiprocess_checkpoint(two, case):
 def test_fp8_amax_histories_are_global(two, two_reference):
   runs = check_skips_and_agreement(two, FP8_CASE, 2)
   ref_record, ref_arrays = load(two_reference, FP8_CASE, 1)[0]
+  assert all(runs[0][0]["fp8_histories_split"])  # over the processes
   histories = [r["fp8_histories"] for r, _ in runs]
   assert histories[0] == histories[1] == ref_record["fp8_histories"]
   # Layer 0's newest input amax is the global batch's (bfloat16-rounded),
