@@ -19,7 +19,8 @@ import jmp_amp
 # Helpers whose import has side effects (sharded_check sets XLA_FLAGS for a
 # subprocess) are not doctest-collected; the scripts that record reference
 # data import torch/keras and run only as scripts.
-collect_ignore = ["tests/sharded_check.py", "tests/data"]
+collect_ignore = ["tests/sharded_check.py", "tests/distributed_check.py",
+                  "tests/data"]
 
 
 @pytest.fixture(autouse=True, scope="session")

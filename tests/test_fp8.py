@@ -126,6 +126,21 @@ def test_update_history_rolls_and_ignores_nonfinite():
                                 [3.0, 3.0, 2.0])
 
 
+@pytest.mark.parametrize("size,where", [(3, 1), (4099, 4000), (4099, 0)])
+def test_amax_of_a_nan_is_inf_however_the_max_is_reduced(size, where):
+  # XLA:CPU's vectorised and cross-device max reductions can drop a NaN
+  # (tests/test_distributed.py: across processes); counted as inf, it
+  # always gives update_history's fallback.
+  x = np.linspace(-2.0, 1.0, size).astype(np.float32)
+  x[where] = np.nan
+  assert float(fp8.amax(x)) == np.inf
+  assert float(jax.jit(fp8.amax)(x)) == np.inf
+  x[where] = -np.inf
+  assert float(jax.jit(fp8.amax)(x)) == np.inf
+  x[where] = 0.0
+  assert float(jax.jit(fp8.amax)(x)) == np.max(np.abs(x))
+
+
 def test_current_scaling_uses_this_steps_amax():
   x = jnp.array([100.0, -50.0, 1.0])
   scale, history = fp8.scale_of(x, jnp.array([7.0]), E4M3, fp8.FP8Recipe())

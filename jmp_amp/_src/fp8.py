@@ -114,11 +114,20 @@ def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
 
 
 def amax(x: jax.Array) -> jax.Array:
-  """float32 ``max(|x|)`` (the amax of an empty array is 0)."""
+  """float32 ``max(|x|)`` (the amax of an empty array is 0); inf if `x`
+  holds a NaN.
+
+  A NaN counts as inf before the reduction: a max over a sharded `x` combines
+  partial maxima across devices, and XLA:CPU's cross-device max (in one
+  process or over gloo between processes) drops a NaN, which would record
+  the other shards' finite amax instead of the fallback `update_history`
+  keeps for an overflowing step. Every max over an inf is inf.
+  """
   x = jnp.asarray(x)
   if x.size == 0:
     return jnp.zeros((), jnp.float32)
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+  a = jnp.abs(x)
+  return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a)).astype(jnp.float32)
 
 
 def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:

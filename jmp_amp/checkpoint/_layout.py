@@ -97,10 +97,12 @@ def state_restore_args(target: Any, saved_leaves: Optional[dict[str, Any]]
     if not isinstance(x, jax.ShapeDtypeStruct):  # a NumPy scalar
       x = jax.ShapeDtypeStruct((), np.result_type(x))
     if x.sharding is None:
-      # Orbax needs a sharding to place the restored array; the default
-      # device is what an unsharded run would use.
+      # Orbax needs a sharding to place the restored array; this process's
+      # first device is what an unsharded run would use (in a multi-process
+      # run each process restores its own whole copy there; jax.devices()[0]
+      # is process 0's and no other process can place an array on it).
       x = x.update(sharding=jax.sharding.SingleDeviceSharding(
-          jax.devices()[0]))
+          jax.local_devices()[0]))
     saved = (saved_leaves or {}).get(name)
     if saved is not None and saved["dtype"] != str(x.dtype):
       try:

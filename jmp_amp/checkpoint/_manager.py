@@ -99,6 +99,7 @@ class CheckpointManager:
     overwrite = _check_bool(overwrite, "overwrite")
     force = _check_bool(force, "force")
     saveable = _nnx.saveable(state)
+    _check_global(saveable, step)
     meta = _compat.describe(state)
     if not meta["leaves"]:
       raise ValueError(f"state has no arrays to save, got "
@@ -307,6 +308,31 @@ class CheckpointManager:
           f"no checkpoint for step {step} in {self.directory}; steps saved: "
           f"{self.all_steps()}")
     return step
+
+
+def _check_global(saveable: Any, step: int) -> None:
+  """In a multi-process run, refuses arrays that live on one process only.
+
+  Every process calls `save` and orbax writes each array's shards from the
+  processes that hold them; an array on this process's devices alone (made
+  outside `jit`, or by a `jit` that left a constant on one device) is not one
+  array of the run but a copy per process, which orbax refuses deep inside its
+  writer.
+  """
+  if jax.process_count() == 1:
+    return
+  local = [name for name, x in _compat.named_leaves(saveable)
+           if isinstance(x, jax.Array) and x.is_fully_addressable]
+  if local:
+    raise ValueError(
+        f"cannot save checkpoint step {step}: in a multi-process run "
+        f"({jax.process_count()} processes) every array must be a global "
+        f"array on the run's mesh, but {_compat.listing(local)} live(s) on "
+        "this process's devices only. Create the state under jit with "
+        "out_shardings on the global mesh (replicated: "
+        "NamedSharding(mesh, PartitionSpec())), or build it with "
+        "jax.make_array_from_callback / "
+        "jax.make_array_from_process_local_data.")
 
 
 def _check_step(step: Any) -> int:

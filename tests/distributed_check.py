@@ -1,0 +1,436 @@
+"""One process of a multi-process training run (JAX's distributed runtime).
+
+`tests/test_distributed.py` starts this script as N processes on localhost
+(``--num-processes N``), each with ``--local-devices`` simulated CPU devices,
+CPU collectives over gloo, and one global mesh; or as one process holding all
+N x L devices (``--num-processes 1``), the single-process reference run on the
+same devices. Every process writes ``OUT/<case>.p<pid>.json`` (per-step metrics
+as this process reads them) and ``OUT/<case>.p<pid>.npz`` (the final state,
+gathered whole); the test compares them across processes and with the
+reference. Run as a script only: the device count must be set before JAX
+initialises.
+
+Cases (``--cases``, comma-separated) are ``<model>-<layout>-<precision>``:
+model ``mlp`` or ``gpt`` (`jmp_amp.models`, small sizes), layout ``dp`` (params
+replicated, batch split) or ``fsdp`` (params and Adam moments split along
+their first dimension divisible by the device count, batch split), precision
+``fp16`` (float16 compute, dynamic loss scaling) or ``bf16`` (bfloat16
+compute, `NoOpLossScale`: no scaling, non-finite steps still skipped). The
+case ``mlp-dp-fp8`` trains an MLP whose matmuls run in FP8 under delayed
+scaling and records its amax histories.
+
+Faults: on steps `FAULT_STEPS` the last process puts a NaN in the per-example
+weight of the first example it holds (its own shard of the global batch, built
+with `jax.make_array_from_process_local_data`); the reference run puts it in
+the same global row.
+
+Checkpoints (``--ckpt DIR``): ``--save-at K`` saves the state after K steps
+with `jmp_amp.checkpoint.save` from every process; ``--resume`` starts from
+the latest step in DIR instead of from initialisation. ``--then kill``
+(after the cases) saves step 1 of another state in ``DIR/kill``, then starts
+an asynchronous save of step 2, and process ``--kill-process`` SIGKILLs
+itself once step 2's temporary directory exists; ``--then after-kill`` (in a
+fresh run) reads what is left.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser()
+  p.add_argument("--process-id", type=int, default=0)
+  p.add_argument("--num-processes", type=int, default=1)
+  p.add_argument("--local-devices", type=int, required=True)
+  p.add_argument("--out", required=True)
+  p.add_argument("--then", default=None, choices=("kill", "after-kill"))
+  p.add_argument("--cases", default="")
+  p.add_argument("--steps", type=int, default=6)
+  p.add_argument("--ckpt", default=None)
+  p.add_argument("--save-at", type=int, default=None)
+  p.add_argument("--resume", action="store_true")
+  p.add_argument("--kill-process", type=int, default=1)
+  return p.parse_args(argv)
+
+
+ARGS = parse_args(sys.argv[1:])
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={ARGS.local_devices}")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+
+if ARGS.num_processes > 1:
+  # As docs/multi-host.md says: the launcher sets JAX_COORDINATOR_ADDRESS
+  # and JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo in every process's
+  # environment; the process count and index are passed.
+  assert jax.config.jax_cpu_collectives_implementation == "gloo"
+  jax.distributed.initialize(num_processes=ARGS.num_processes,
+                             process_id=ARGS.process_id,
+                             initialization_timeout=120)
+
+from flax import nnx
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+
+import jmp_amp
+import jmp_amp.flax
+from jmp_amp import models
+
+FAULT_STEPS = (1, 4)
+PER_DEVICE_BATCH = 2
+SEQ_LEN = 8
+VOCAB = 64
+MLP_IN, MLP_OUT = 16, 8
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+# --------------------------------------------------------------------------
+# Global arrays.
+
+
+def simulated_processes() -> int:
+  """How many processes the run has, or stands for (the reference run)."""
+  return ARGS.num_processes if ARGS.num_processes > 1 else int(
+      os.environ.get("DISTRIBUTED_CHECK_AS_PROCESSES", "1"))
+
+
+def make_mesh():
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  owners = [d.process_index for d in mesh.devices.flat]
+  # The batch rows of process p are a contiguous block: the reference run
+  # puts its fault into the same global rows.
+  assert owners == sorted(owners), owners
+  return mesh
+
+
+def global_batch(mesh, host_array):
+  """`host_array` (the global batch, known to all) split over processes:
+  each process passes only the rows its devices hold."""
+  sharding = NamedSharding(mesh, P("data"))
+  n, pid = jax.process_count(), jax.process_index()
+  rows = host_array.shape[0] // n
+  local = host_array[pid * rows:(pid + 1) * rows]
+  return jax.make_array_from_process_local_data(sharding, local,
+                                                host_array.shape)
+
+
+def global_value(x, sharding):
+  """A value every process knows (an initial param) as a global array."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+
+def fsdp_spec(shape) -> P:
+  n = jax.device_count()
+  for dim, size in enumerate(shape):
+    if size % n == 0:
+      return P(*([None] * dim), "data")
+  return P()
+
+
+def shardings(mesh, tree, layout):
+  def one(x):
+    spec = fsdp_spec(np.shape(x)) if layout == "fsdp" else P()
+    return NamedSharding(mesh, spec)
+  return jax.tree.map(one, tree)
+
+
+def local_value(x):
+  """A replicated array's value as this process holds it; checks that every
+  local device holds the same bytes."""
+  shards = [np.asarray(s.data) for s in x.addressable_shards]
+  assert all(s.tobytes() == shards[0].tobytes() for s in shards), shards
+  return shards[0]
+
+
+def gather(tree):
+  """Every leaf of a tree of global arrays, whole, as NumPy (a collective)."""
+  leaves = jax.tree.leaves(tree)
+  return [np.asarray(x) for x in multihost_utils.process_allgather(
+      leaves, tiled=True)]
+
+
+# --------------------------------------------------------------------------
+# Models, data and the train step.
+
+
+def build(case):
+  model_name, layout, precision = case.split("-")
+  rngs = nnx.Rngs(0)
+  if model_name == "mlp":
+    model = models.MLP(MLP_IN, MLP_OUT, num_layers=3, width=32, rngs=rngs)
+  else:
+    model = models.GPT(vocab_size=VOCAB, d_model=32, num_heads=2,
+                       num_layers=1, max_len=SEQ_LEN, rngs=rngs)
+  if precision == "fp8":
+    jmp_amp.flax.set_policies(model, jmp_amp.flax.fp8.FP8Policy(
+        jmp_amp.fp8.delayed_scaling(4), keep_first_last=False))
+    scale = jmp_amp.NoOpLossScale()
+  elif precision == "fp16":
+    jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("float16"))
+    scale = jmp_amp.DynamicLossScale(2.0**15, period=2)
+  else:
+    jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("bfloat16"))
+    scale = jmp_amp.NoOpLossScale()
+  opt = jmp_amp.loss_scaling(optax.adam(1e-2), scale)
+  return model_name, layout, precision, model, opt
+
+
+def batches(model_name, num_steps, batch_size):
+  """The global batches of every step, the same in every process."""
+  rng = np.random.default_rng(1)
+  weights = np.ones((num_steps, batch_size), np.float32)
+  fault_row = (simulated_processes() - 1) * (
+      batch_size // simulated_processes())
+  for s in FAULT_STEPS:
+    if s < num_steps:
+      weights[s, fault_row] = np.nan
+  if model_name == "mlp":
+    x = rng.normal(size=(num_steps, batch_size, MLP_IN)).astype(np.float32)
+    # The last process's examples are the largest (the FP8 amax lives there).
+    x[:, fault_row:] *= 4.0
+    y = np.sin(x[..., :MLP_OUT]).astype(np.float32)
+    return x, y, weights, fault_row
+  tokens = rng.integers(0, VOCAB, size=(num_steps, batch_size, SEQ_LEN),
+                        dtype=np.int32)
+  return tokens, tokens, weights, fault_row
+
+
+def per_example_loss(model_name, model, inputs, targets):
+  out = model(inputs).astype(jnp.float32)
+  if model_name == "mlp":
+    return jnp.mean((out - targets) ** 2, axis=-1)
+  ce = optax.softmax_cross_entropy_with_integer_labels(
+      out[:, :-1], targets[:, 1:])
+  return jnp.mean(ce, axis=-1)
+
+
+def make_step(model_name, precision, graphdef, opt):
+  def loss_fn(model, batch):
+    inputs, targets, weights = batch
+    losses = per_example_loss(model_name, model, inputs, targets)
+    return jnp.sum(weights * losses) / weights.shape[0]
+
+  def step(state, opt_state, batch):
+    if precision == "fp8":
+      model = nnx.merge(graphdef, state)
+      loss, grads = jmp_amp.flax.fp8.value_and_grad(loss_fn)(model, batch)
+      params = nnx.state(model, nnx.Param)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      nnx.update(model, optax.apply_updates(params, updates))
+      state = nnx.state(model)
+    else:
+      loss, grads = jmp_amp.scaled_value_and_grad(
+          lambda p: loss_fn(nnx.merge(graphdef, p), batch), opt_state)(state)
+      updates, opt_state = opt.update(grads, opt_state, state)
+      state = optax.apply_updates(state, updates)
+    return state, opt_state, {"loss": loss,
+                              **jmp_amp.scaling_metrics(opt_state)}
+  return step
+
+
+def fp8_histories(graphdef, state):
+  """Every FP8 op's amax histories, whole (split ones gathered)."""
+  model = nnx.merge(graphdef, state)
+  return {name: {f: a.tolist() for f, a in zip(h._fields, gather(h))}
+          for name, h in jmp_amp.flax.fp8.histories(model).items()}
+
+
+def run_case(case, mesh):
+  from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
+  model_name, layout, precision, model, opt = build(case)
+  graphdef, state = nnx.split(model)
+  state_sh = shardings(mesh, state, layout)
+  # The optimizer sees the params only (FP8 histories are written back).
+  opt_init = lambda s: opt.init(nnx.filter_state(s, nnx.Param))
+  opt_shape = jax.eval_shape(opt_init, state)
+  opt_sh = shardings(mesh, opt_shape, layout)
+  batch_size = PER_DEVICE_BATCH * jax.device_count()
+  xs, ys, ws, fault_row = batches(model_name, ARGS.steps, batch_size)
+  step = jax.jit(make_step(model_name, precision, graphdef, opt),
+                 out_shardings=(state_sh, opt_sh, None),
+                 compiler_options=FAST_COMPILE)
+  ckpt_dir = ARGS.ckpt and os.path.join(ARGS.ckpt, case)
+
+  first = 0
+  if ARGS.resume:
+    target = {"state": jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        state, state_sh),
+              "opt_state": jax.tree.map(
+                  lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                    sharding=s),
+                  opt_shape, opt_sh)}
+    restored, first = checkpoint.restore_latest(ckpt_dir, target)
+    state, opt_state = restored["state"], restored["opt_state"]
+  else:
+    state = jax.tree.map(global_value, state, state_sh)
+    opt_state = jax.jit(opt_init, out_shardings=opt_sh)(state)
+
+  fault_on_me = [
+      s.index[0].start <= fault_row < s.index[0].stop
+      for s in global_batch(mesh, xs[0]).addressable_shards]
+  record = {"process": jax.process_index(), "processes": jax.process_count(),
+            "devices": jax.device_count(), "fault_row": fault_row,
+            "fault_rows_here": any(fault_on_me), "first_step": first,
+            "steps": []}
+  for i in range(first, ARGS.steps):
+    batch = tuple(global_batch(mesh, a[i]) for a in (xs, ys, ws))
+    state, opt_state, metrics = step(state, opt_state, batch)
+    record["steps"].append({k: local_value(v).item()
+                            for k, v in metrics.items()})
+    if ckpt_dir and ARGS.save_at == i + 1:
+      checkpoint.save(ckpt_dir, {"state": state, "opt_state": opt_state},
+                      step=i + 1)
+  leaves = jax.tree.leaves(state)
+  record["state_sharded"] = [not x.sharding.is_fully_replicated
+                             for x in leaves]
+  record["compiles"] = step._cache_size()  # pylint: disable=protected-access
+  if precision == "fp8":
+    record["fp8_histories"] = fp8_histories(graphdef, state)
+    record["fp8_histories_split"] = [
+        not h.lhs.sharding.is_fully_replicated for h in
+        jmp_amp.flax.fp8.histories(nnx.merge(graphdef, state)).values()]
+    record["fp8_global_input_amax"] = float(np.max(np.abs(xs[ARGS.steps - 1])))
+    pid_rows = batch_size // simulated_processes()
+    record["fp8_process_input_amax"] = [
+        float(np.max(np.abs(xs[ARGS.steps - 1][p * pid_rows:
+                                                (p + 1) * pid_rows])))
+        for p in range(simulated_processes())]
+  arrays = gather(state) + gather(opt_state)
+  write(case, record, arrays)
+
+
+def write(name, record, arrays=None):
+  path = os.path.join(ARGS.out, f"{name}.p{jax.process_index()}")
+  if arrays is not None:
+    np.savez(path + ".npz", *arrays)
+  with open(path + ".json", "w") as f:
+    json.dump(record, f)
+
+
+# --------------------------------------------------------------------------
+# A process killed mid-save.
+
+KILL_WIDTH = 512  # a state of ~2 MB per step: the write takes a while
+
+
+def kill_state(mesh, step):
+  opt = jmp_amp.loss_scaling(optax.adam(1e-3),
+                             jmp_amp.DynamicLossScale(2.0**15))
+  sh = NamedSharding(mesh, P("data"))
+  rng = np.random.default_rng(step)
+  params = {"w": global_value(
+      rng.normal(size=(KILL_WIDTH, KILL_WIDTH)).astype(np.float32), sh)}
+  # The loss scale replicated on the global mesh, the moments like `w`.
+  return {"params": params, "opt_state": jax.jit(
+      opt.init, out_shardings=shardings(mesh, opt.init(params), "fsdp"))(
+          params)}
+
+
+def kill_scenario(mesh):
+  from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
+  ckpt = os.path.join(ARGS.ckpt, "kill")
+  # A state on this process's devices only is refused with a clear error.
+  opt = jmp_amp.loss_scaling(optax.sgd(0.1), jmp_amp.DynamicLossScale(2.0))
+  try:
+    checkpoint.save(os.path.join(ARGS.ckpt, "local"),
+                    opt.init({"w": jnp.ones(3)}), step=0)
+    local_error = None
+  except ValueError as e:
+    local_error = str(e)
+  write("local-save", {"error": local_error})
+  checkpoint.save(ckpt, kill_state(mesh, 1), step=1)
+  mngr = checkpoint.CheckpointManager(ckpt, async_save=True)
+  mngr.save(2, kill_state(mesh, 2))
+  if jax.process_index() == ARGS.kill_process:
+    names = lambda: [n for n in os.listdir(ckpt) if n.startswith("2.")]
+    deadline = time.monotonic() + 60
+    while not names() and time.monotonic() < deadline:
+      time.sleep(0.001)
+    write("kill", {"saw": names()})
+    os.kill(os.getpid(), signal.SIGKILL)
+  mngr.wait_until_finished()  # blocks: a peer never finishes its part
+  write("kill", {"finished": True})
+
+
+def after_kill_scenario(mesh):
+  from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
+  ckpt = os.path.join(ARGS.ckpt, "kill")
+  want = kill_state(mesh, 1)
+  target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      want)
+  restored, step = checkpoint.restore_latest(ckpt, target)
+  same = [bool(np.array_equal(a, b)) for a, b in
+          zip(gather(restored), gather(want))]
+  # A target without shardings: every process restores its own whole copy.
+  unsharded = checkpoint.restore(ckpt, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), want))
+  whole = [bool(x.is_fully_addressable and np.array_equal(np.asarray(x), b))
+           for x, b in zip(jax.tree.leaves(unsharded), gather(want))]
+  with checkpoint.CheckpointManager(ckpt) as mngr:
+    sums = mngr.metadata(1)["checksums"]
+  write("after-kill", {"latest_step": checkpoint.latest_step(ckpt),
+                       "restored_step": step, "restored_equal": same,
+                       "unsharded_equal": whole,
+                       "checksummed": sorted(sums["arrays"]),
+                       "shards_checksummed": {
+                           k: sorted(v) for k, v in sums["shards"].items()},
+                       "listing": sorted(os.listdir(ckpt))})
+  swapped_arrays(mesh, target)
+
+
+def swapped_arrays(mesh, target):
+  """Another save's array files in place of step 1's: the split params'
+  shard checksums catch it in every process."""
+  from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
+  base = os.path.join(ARGS.ckpt, "swap")
+  checkpoint.save(os.path.join(base, "a"), kill_state(mesh, 1), step=1)
+  checkpoint.save(os.path.join(base, "b"), kill_state(mesh, 3), step=1)
+  multihost_utils.sync_global_devices("saved")
+  if jax.process_index() == 0:
+    shutil.rmtree(os.path.join(base, "a", "1", "state"))
+    shutil.copytree(os.path.join(base, "b", "1", "state"),
+                    os.path.join(base, "a", "1", "state"))
+  multihost_utils.sync_global_devices("swapped")
+  errors = []
+  # Into the saved shardings (each process checks its shards), and whole
+  # into each process (each checks every saved shard).
+  for t in (target, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target)):
+    try:
+      checkpoint.restore(os.path.join(base, "a"), t)
+      errors.append(None)
+    except checkpoint.CheckpointCorruptedError as e:
+      errors.append({"message": str(e), "where": e.where, "step": e.step})
+  write("swapped", {"errors": errors})
+
+
+def main():
+  os.makedirs(ARGS.out, exist_ok=True)
+  mesh = make_mesh()
+  for case in filter(None, ARGS.cases.split(",")):
+    run_case(case, mesh)
+  if ARGS.then == "after-kill":
+    after_kill_scenario(mesh)
+  elif ARGS.then == "kill":
+    kill_scenario(mesh)  # does not return in process --kill-process
+  if ARGS.num_processes > 1:
+    jax.distributed.shutdown()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
