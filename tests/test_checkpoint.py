@@ -875,3 +875,20 @@ def test_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
         "w": target["w"], "big": jax.ShapeDtypeStruct((size,), jnp.float32)})
     big = np.random.default_rng(0).normal(size=size).astype(np.float32)
     np.testing.assert_array_equal(restored["big"], big)
+
+
+def test_manager_lists_a_step_only_once_its_async_save_is_committed(tmp_path):
+  # orbax's manager lists a step as soon as its asynchronous save starts; ours
+  # reads the directory, so every step it lists is committed there.
+  big = np.random.default_rng(0).normal(size=2**22).astype(np.float32)
+  with checkpoint.CheckpointManager(tmp_path, async_save=True) as mngr:
+    mngr.save(1, {"w": jnp.ones(4)})
+    mngr.wait_until_finished()
+    mngr.save(2, {"w": jnp.asarray(big)})
+    listed, latest = mngr.all_steps(), mngr.latest_step()
+    committed = {int(n) for n in os.listdir(tmp_path) if n.isdigit()}
+    assert set(listed) <= committed | {2} and listed[0] == 1, listed
+    assert 2 not in listed or 2 in committed, (listed, os.listdir(tmp_path))
+    assert latest == listed[-1]
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [1, 2] and mngr.latest_step() == 2

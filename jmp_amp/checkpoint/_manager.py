@@ -278,11 +278,16 @@ class CheckpointManager:
 
   def latest_step(self) -> Optional[int]:
     """The newest committed step, or None."""
-    return self._manager.latest_step()
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    """The committed steps, oldest first."""
-    return sorted(self._manager.all_steps())
+    """The committed steps, oldest first.
+
+    Read from the directory: orbax's own list also holds a step whose
+    asynchronous save is still being written.
+    """
+    return sorted(self._manager.all_steps(read=True))
 
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()
