@@ -1,6 +1,10 @@
 """jmp_amp.optim: stochastic rounding, 16-bit optimizer state and params."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -410,3 +414,80 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
   assert_bitwise_equal(restored, {"params": half[0], "opt_state": half[1]})
   resumed = steps(restored["params"], restored["opt_state"], 3)
   assert_bitwise_equal(resumed, unbroken)
+
+
+# ---------------------------------------------------------------------------
+# Sharding: 8 simulated devices give the bits of one
+
+
+def test_eight_devices_bitwise_equal_one():
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                        "low_precision_sharded_check.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.dirname(os.path.dirname(script))]
+      + [p for p in [env.get("PYTHONPATH")] if p])
+  proc = subprocess.run([sys.executable, script], capture_output=True,
+                        text=True, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["devices"] == 8 and result["leaves"] == 9
+  assert result["state_sharded"] and result["params_moved"]
+  assert result["unequal_leaves"] == []
+
+
+# ---------------------------------------------------------------------------
+# Flax: nnx.Optimizer and linen TrainState apply the rounded params exactly
+
+
+def test_nnx_optimizer_with_bfloat16_params():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(8, 4, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, low_precision_opt("stochastic"), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(
+        lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+    before = model.kernel[...]
+    updates = opt.update(model, grads)
+    return loss, before, updates.kernel
+
+  losses = []
+  for _ in range(5):
+    loss, before, update = step(model, opt)
+    losses.append(float(loss))
+    after = model.kernel[...]
+    assert after.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(  # the update landed exactly
+        np.asarray(after.astype(jnp.float32) - before.astype(jnp.float32)),
+        np.asarray(update))
+  assert losses[-1] < losses[0]
+  assert opt.opt_state[0].inner_state[0].mu["kernel"].dtype == jnp.bfloat16
+
+
+def test_linen_train_state_with_bfloat16_params():
+  pytest.importorskip("flax")
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  model = nn.Dense(4, param_dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  params = model.init(jax.random.key(0), x)["params"]
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=low_precision_opt("kahan"))
+
+  @jax.jit
+  def step(state):
+    grads = jax.grad(lambda p: jnp.mean(state.apply_fn(
+        {"params": p}, x).astype(jnp.float32) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  for _ in range(3):
+    new = step(state)
+    assert new.params["kernel"].dtype == jnp.bfloat16
+    comp = new.opt_state[1].compensation["kernel"]
+    assert comp.dtype == jnp.bfloat16 and bool(jnp.any(comp != 0))
+    state = new
+  assert bool(jnp.any(state.params["kernel"] != params["kernel"]))
