@@ -275,6 +275,35 @@ def part_accuracy(seeds, digits_steps, gpt_steps, lr=3e-3):
 # cost: CPU step time, stochastic vs nearest
 
 
+def rounding_costs(rounds, n=1 << 20):
+  """Seconds to round n float32 values to bfloat16, three ways (median)."""
+  x = jax.random.normal(jax.random.key(0), (n,))
+  key = jax.random.key(1)
+
+  def threefry(x, key):  # the same rounding with jax.random.bits
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(
+        (bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32).astype(
+            jnp.bfloat16)
+  fns = {"nearest": jax.jit(lambda x, key: x.astype(jnp.bfloat16)),
+         "stochastic_round": jax.jit(optim.stochastic_round),
+         "threefry bits": jax.jit(threefry)}
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      jax.block_until_ready(fn(x, key))
+      t0 = time.perf_counter()
+      for _ in range(5):
+        out = fn(x, key)
+      jax.block_until_ready(out)
+      times[name].append((time.perf_counter() - t0) / 5)
+  med = {name: statistics.median(t) for name, t in times.items()}
+  med["threefry_vs_stochastic_round"] = (med["threefry bits"]
+                                         / med["stochastic_round"])
+  return med
+
+
 def part_cost(rounds, steps_per_round):
   from flax import nnx
   from jmp_amp.models import data as data_lib
@@ -304,7 +333,7 @@ def part_cost(rounds, steps_per_round):
       jax.block_until_ready(entry[1])
       times[name].append((time.perf_counter() - t0) / steps_per_round)
   med = {n: statistics.median(t) for n, t in times.items()}
-  return {"model": "the accuracy part's small GPT, batch 16, AdamW",
+  return {"rounding_1m_elements_s": rounding_costs(rounds),"model": "the accuracy part's small GPT, batch 16, AdamW",
           "rounds": rounds, "steps_per_round": steps_per_round,
           "median_step_s": med,
           "stochastic_vs_nearest": med[RECIPES[1]] / med[RECIPES[3]]}

@@ -33,15 +33,47 @@ def _check_floating(x: Any, what: str) -> None:
                     f"bfloat16, float16), got dtype {dtype}")
 
 
+def _mix(h: jax.Array) -> jax.Array:
+  """A bijective 32-bit hash with full avalanche (Wellons' lowbias32)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * jnp.uint32(0x846CA68B)
+  return h ^ (h >> 16)
+
+
+def _random_bits16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """16 uniform random bits per element: a hash of the key and its index.
+
+  The element's index in the whole array (an iota, which XLA partitions like
+  any other value) is what is hashed, so the bits do not depend on the
+  sharding. `jax.random.bits` would too (threefry), at many times the cost
+  of the rounding on a CPU (benchmarks/results/low_precision.json); rounding
+  needs uniform bits, not cryptographic ones.
+  """
+  words = (jax.random.key_data(key) if jnp.issubdtype(
+      jnp.asarray(key).dtype, jax.dtypes.prng_key) else jnp.asarray(key))
+  words = words.astype(jnp.uint32).reshape(-1)
+  s0 = jnp.uint32(0x9E3779B9)
+  for i in range(words.shape[0]):
+    s0 = _mix(s0 ^ words[i])
+  s1 = _mix(s0 ^ jnp.uint32(0x85EBCA6B))
+  index = jnp.zeros(shape, jnp.uint32)
+  for dim, size in enumerate(shape):
+    index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(
+        jnp.uint32, shape, dim)
+  return _mix(_mix(index ^ s0) ^ s1) >> 16
+
+
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   """Rounds `x` to bfloat16, up or down at random, without bias.
 
   A value between two neighbouring bfloat16 numbers ``lo < x < hi`` becomes
-  ``hi`` with probability ``(x - lo) / (hi - lo)`` and ``lo`` otherwise, so
-  the expected result is `x` itself; representable values, infinities and NaN
-  stay as they are. The random bits come from `jax.random.bits` with `key`:
-  with JAX's default ``jax_threefry_partitionable=True`` the result does not
-  depend on how `x` is sharded.
+  ``hi`` with probability ``(x - lo) / (hi - lo)`` (to 2**-16) and ``lo``
+  otherwise, so the expected result is `x` itself; representable values,
+  infinities and NaN stay as they are. The random bits are a hash of `key`
+  and each element's index in `x`: the same for the same key, whatever the
+  sharding of `x`.
 
   Example:
     >>> x = jnp.full(1000, 1.0 + 2.0 ** -10)  # 1/8 of the way to 1 + 2**-7
@@ -53,7 +85,8 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
 
   Args:
     x: a real floating array (float32; narrower dtypes are exact in float32).
-    key: a JAX random key (typed, or raw ``uint32[2]``).
+      At most 2**32 elements.
+    key: a JAX random key (typed, or raw ``uint32`` key data).
 
   Returns:
     A bfloat16 array of the shape of `x`.
@@ -62,14 +95,17 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   x = jnp.asarray(x)
   if x.dtype == jnp.bfloat16:
     return x
+  if x.size > 2 ** 32:
+    raise ValueError(f"stochastic_round: x has {x.size} elements; at most "
+                     "2**32 are supported (round it in parts)")
   x = x.astype(jnp.float32)
   # float32 and bfloat16 share sign and exponent: bfloat16 keeps the top 16
   # bits. Adding 16 uniform random bits to the low half and truncating rounds
   # the magnitude up with probability (dropped bits) / 2**16: unbiased.
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
   rounded = jax.lax.bitcast_convert_type(
-      (bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
+      (bits + _random_bits16(key, x.shape)) & jnp.uint32(0xFFFF0000),
+      jnp.float32)
   return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
 
 
