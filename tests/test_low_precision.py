@@ -140,7 +140,8 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name,rounding", [
-    (name, "stochastic") for name in sorted(OPTIMIZERS)] + [
+    (name, "stochastic") for name in sorted(OPTIMIZERS) if name != "adamw"] + [
+        pytest.param("adamw", "stochastic", marks=pytest.mark.slow)] + [
         pytest.param(name, "nearest", marks=pytest.mark.slow)
         for name in sorted(OPTIMIZERS)])
 def test_compress_state_tracks_the_float32_optimizer(name, rounding):
@@ -273,7 +274,7 @@ def test_apply_updates_lands_exactly_on_the_rounded_result(rounding):
   apply_updates(p, u) - p == u.
   """
   k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
-  n = 50_000
+  n = 20_000
   p = (jax.random.normal(k1, (n,)) * 10.0 ** jax.random.randint(
       k2, (n,), -4, 4)).astype(jnp.bfloat16)
   # Updates from 1e-8 to 10x the param: far below and far above its ulp.
@@ -420,6 +421,7 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
 # Sharding: 8 simulated devices give the bits of one
 
 
+@pytest.mark.slow  # a subprocess that compiles for 8 devices: ~20 s
 def test_eight_devices_bitwise_equal_one():
   script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                         "low_precision_sharded_check.py")
@@ -487,3 +489,31 @@ def test_linen_train_state_with_bfloat16_params():
     assert comp.dtype == jnp.bfloat16 and bool(jnp.any(comp != 0))
     state = new
   assert bool(jnp.any(state.params["kernel"] != params["kernel"]))
+
+
+# ---------------------------------------------------------------------------
+# The committed results (benchmarks/low_precision.py) hold what the docs say
+
+
+def test_committed_results_meet_the_stated_targets():
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))), "benchmarks", "results", "low_precision.json")
+  with open(path) as f:
+    results = json.load(f)
+  sr, kahan, nearest, f32 = (
+      "bf16 params + bf16 moments, stochastic",
+      "bf16 params + bf16 moments, kahan",
+      "bf16 params + bf16 moments, nearest",
+      "float32 master + float32 moments")
+  rows = {r["recipe"]: r for r in
+          results["memory"]["shapes"]["state-dominated"]["rows"]}
+  assert rows[sr]["argument_plus_temp_vs_float32"] <= 0.55
+  assert rows[sr]["bytes_estimate_vs_nearest"] <= 1.10
+  assert rows[kahan]["argument_bytes"] > rows[sr]["argument_bytes"]
+  digits = results["accuracy"]["digits"]
+  assert digits["seeds"] >= 3
+  assert digits["final_accuracy"][f32] - digits["final_accuracy"][sr] <= 0.5
+  gpt = results["accuracy"]["gpt"]["loss_vs_float32"]
+  assert abs(gpt[sr] - 1) <= 0.01 and abs(gpt[kahan] - 1) <= 0.01
+  assert gpt[nearest] >= 1.05  # visibly behind
+  assert results["cost"]["stochastic_vs_nearest"] <= 1.10
