@@ -58,7 +58,6 @@ def main():
   mu_w = eight[1][0].inner_state[0].mu["w"]
   print(json.dumps({
       "devices": jax.device_count(),
-      "threefry_partitionable": bool(jax.config.jax_threefry_partitionable),
       "leaves": len(leaves1),
       "unequal_leaves": [
           i for i, (a, b) in enumerate(zip(leaves1, leaves8))
