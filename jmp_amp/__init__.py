@@ -2,11 +2,13 @@
 
 A drop-in for jmp (``import jmp_amp as jmp``) plus dynamic loss scaling as an
 optax transformation, op-level autocast and a matmul-dtype audit. FP8
-matmuls live in `jmp_amp.fp8`, the report types in `jmp_amp.tools`. Flax
+matmuls live in `jmp_amp.fp8`, 16-bit optimizer state and master weights in
+`jmp_amp.optim`, the report types in `jmp_amp.tools`. Flax
 integration lives in `jmp_amp.flax`, which this module does not import.
 """
 
 from jmp_amp import fp8
+from jmp_amp import optim
 from jmp_amp._src import deprecation as _deprecation
 from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules

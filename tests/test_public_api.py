@@ -379,10 +379,13 @@ def test_public_names_are_pinned_and_at_most_32():
       "dot_general", "einsum"]
   assert sorted(jflax.fp8.__all__) == [
       "FP8Meta", "FP8Op", "FP8Policy", "histories", "value_and_grad"]
+  assert sorted(jmp_amp.optim.__all__) == [
+      "CompressedState", "LowPrecisionParamsState", "compress_state",
+      "low_precision_params", "stochastic_round"]
   assert sorted(jflax.rules.__all__) == [
       "NORM_CLASSES", "PolicyRules", "mixed_rules"]
-  for module in (jmp_amp, jmp_amp.fp8, jmp_amp.tools, jflax, jflax.fp8,
-                 jflax.rules):
+  for module in (jmp_amp, jmp_amp.fp8, jmp_amp.optim, jmp_amp.tools, jflax,
+                 jflax.fp8, jflax.rules):
     for name in module.__all__:
       assert getattr(module, name) is not None, (module.__name__, name)
 
