@@ -236,28 +236,12 @@ def check_compatible(saved: dict[str, Any], target: Any, *,
         + "\n  - ".join(problems))
 
 
-def host_value(x: Any) -> np.ndarray:
-  """`x`'s whole value as NumPy, in every process of a multi-process run.
-
-  An array sharded over several processes cannot be read by one: a
-  replicated one is read from this process's copy; a split one is gathered
-  (a collective: every process restores, so every process calls it, in the
-  same order).
-  """
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    if x.is_fully_replicated:
-      return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
-
-
 def _loss_scale_problem(x: Any) -> Optional[str]:
   """Why a restored loss scale cannot be used, or None."""
   if (not isinstance(x, jmp_amp.DynamicLossScale)
       or isinstance(x.loss_scale, jax.ShapeDtypeStruct)):
     return None  # No-op and static scales have no array leaves.
-  scale = host_value(_nnx.value(x.loss_scale))
+  scale = _nnx.host_value(_nnx.value(x.loss_scale))
   if scale.shape != () or not (jnp.issubdtype(scale.dtype, jnp.floating) or
                                jnp.issubdtype(scale.dtype, jnp.integer)):
     return (f"loss_scale is {scale.dtype}{list(scale.shape)}, not a real "
@@ -267,7 +251,7 @@ def _loss_scale_problem(x: Any) -> Optional[str]:
             "(a run whose scale went non-finite was saved?)")
   for field in ("counter", "overflows"):
     v = getattr(x, field, None)
-    value = None if v is None else host_value(_nnx.value(v))
+    value = None if v is None else _nnx.host_value(_nnx.value(v))
     if value is not None and np.any(value < 0):
       return f"{field} is {value!r}; it must be >= 0"
   return None

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 import jmp_amp
-from jmp_amp.checkpoint import _compat
 from jmp_amp.checkpoint import _errors
 from jmp_amp.checkpoint import _nnx
 
@@ -88,7 +87,7 @@ def check_histories(tree: Any) -> None:
   for name, history in _histories(tree):
     if isinstance(history, jax.ShapeDtypeStruct):
       continue
-    h = _compat.host_value(history).reshape(-1)
+    h = _nnx.host_value(history).reshape(-1)
     bad = np.flatnonzero(~(np.isfinite(h) & (h >= 0)))
     if bad.size:
       raise _errors.InvalidFP8StateError(

@@ -1,4 +1,4 @@
-"""Flax NNX modules and optimizers in a checkpointed tree.
+"""Flax NNX modules and optimizers, and array values, in a checkpointed tree.
 
 An NNX object in the tree is saved as its `nnx.state`, restored into a copy
 first (where its loss scales can be checked) and then written into the
@@ -85,3 +85,19 @@ def value(x: Any) -> Any:
   """The array an NNX Variable holds, or `x` itself."""
   get_value = getattr(x, "get_value", None)
   return get_value() if callable(get_value) else x
+
+
+def host_value(x: Any) -> np.ndarray:
+  """`x`'s whole value as NumPy, in every process of a multi-process run.
+
+  An array sharded over several processes cannot be read by one: a
+  replicated one is read from this process's copy; a split one is gathered
+  (a collective: every process restores, so every process calls it, in the
+  same order).
+  """
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
