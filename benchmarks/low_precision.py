@@ -42,6 +42,7 @@ import optax
 
 import jmp_amp
 from jmp_amp import optim
+from jmp_amp.models import data as data_lib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -175,22 +176,11 @@ def train_curves(name, make_model, base_tx, seeds, batches_of, loss_fn,
   return curves
 
 
-def digits_data():
-  from sklearn import datasets
-  data = datasets.load_digits()
-  x = (data.data / 16.0).astype(np.float32)
-  y = data.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(x))
-  x, y = x[order], y[order]
-  split = int(0.8 * len(x))
-  return (x[:split], y[:split]), (x[split:], y[split:])
-
-
 def digits_curves(name, seeds, steps, lr):
   from flax import nnx
   import jmp_amp.flax as jflax
   from jmp_amp.models import mlp as mlp_lib
-  (x, y), (xt, yt) = digits_data()
+  (x, y), (xt, yt) = data_lib.digits()
 
   def make_model(param_dtype, seed):
     model = mlp_lib.MLP(64, 10, num_layers=3, width=128, rngs=nnx.Rngs(seed))

@@ -105,3 +105,23 @@ def token_batch(batch_size: int, seq_len: int = 64, vocab: int = 256,
   start = rng.integers(0, vocab, size=(batch_size, 1))
   step = rng.integers(1, max_step + 1, size=(batch_size, 1))
   return ((start + step * np.arange(seq_len)) % vocab).astype(np.int32)
+
+
+def digits(seed: int = 0) -> tuple[tuple[np.ndarray, np.ndarray],
+                                   tuple[np.ndarray, np.ndarray]]:
+  """scikit-learn's handwritten digits (8x8), scaled to [0, 1], shuffled.
+
+  Needs scikit-learn (the ``test`` extra installs it).
+
+  Returns:
+    ``((x, y), (x_test, y_test))``: 80 % / 20 % of the 1797 images, float32
+    ``[n, 64]`` inputs and int32 labels, shuffled with `seed`.
+  """
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  data = datasets.load_digits()
+  x = (data.data / 16.0).astype(np.float32)
+  y = data.target.astype(np.int32)
+  order = np.random.default_rng(seed).permutation(len(x))
+  x, y = x[order], y[order]
+  split = int(0.8 * len(x))
+  return (x[:split], y[:split]), (x[split:], y[split:])

@@ -5,6 +5,8 @@ import functools
 import jax
 import numpy as np
 
+from jmp_amp.models import data as data_lib
+
 
 def tree_bytes_equal(a, b) -> bool:
   """Bit-for-bit equality of two pytrees (NaNs included)."""
@@ -31,12 +33,5 @@ def pure(tree):
 
 @functools.lru_cache(maxsize=None)
 def digits():
-  """scikit-learn's digits, scaled to [0, 1] and shuffled: ((x, y), (x_test, y_test))."""
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  data = datasets.load_digits()
-  x = (data.data / 16.0).astype(np.float32)
-  y = data.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(x))
-  x, y = x[order], y[order]
-  split = int(0.8 * len(x))
-  return (x[:split], y[:split]), (x[split:], y[split:])
+  """`jmp_amp.models.data.digits()`, loaded once per test process."""
+  return data_lib.digits()

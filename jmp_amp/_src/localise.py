@@ -27,6 +27,8 @@ import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_amp._src.autocast import interpreter
+
 MODULE_MARK = "@"
 
 # Sub-jaxpr params of the call-like primitives entered on the way down.
@@ -165,33 +167,21 @@ def _sub_jaxpr(eqn):
 
 def _eval(jaxpr, args: Sequence[Any], prefix: str, backward: bool) -> list:
   """Evaluates `jaxpr` eagerly; raises _Found at the first culprit."""
-  consts = ()
-  if isinstance(jaxpr, jex_core.ClosedJaxpr):
-    jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
-  env: dict[Any, Any] = {}
 
-  def read(v):
-    if isinstance(v, jex_core.Literal):
-      return np.asarray(v.val, dtype=v.aval.dtype)
-    return env[v]
-
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
+  def eval_eqn(eqn, invals):
     stack = "/".join(s for s in (prefix, str(eqn.source_info.name_stack))
                      if s)
     sub = _sub_jaxpr(eqn)
     if sub is not None:
-      outs = _eval(sub, invals, stack, backward)
-    else:
-      outs = eqn.primitive.bind(*invals, **eqn.params)
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
-      if not _all_finite(outs) and _all_finite(invals):
-        raise _Found(_report(eqn, invals, outs, stack, backward))
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
+      return _eval(sub, invals, stack, backward)
+    outs = eqn.primitive.bind(*invals, **eqn.params)
+    if not eqn.primitive.multiple_results:
+      outs = [outs]
+    if not _all_finite(outs) and _all_finite(invals):
+      raise _Found(_report(eqn, invals, outs, stack, backward))
+    return outs
+
+  return interpreter.eval_jaxpr(jaxpr, args, eval_eqn)
 
 
 def _with_vjp(fn: Callable[..., Any]) -> Callable[..., Any]:

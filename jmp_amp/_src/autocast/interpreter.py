@@ -53,8 +53,13 @@ class _Context:
   fp8: Optional[fp8_lib.FP8Recipe] = None
 
 
-def _eval_jaxpr(ctx: _Context, jaxpr, args: Sequence[Any]) -> list:
-  """Evaluates a Jaxpr or ClosedJaxpr on `args` under the rules of `ctx`."""
+def eval_jaxpr(jaxpr, args: Sequence[Any],
+               eval_eqn: Callable[[Any, list], Sequence[Any]]) -> list:
+  """Evaluates a Jaxpr or ClosedJaxpr on `args`, one equation at a time.
+
+  ``eval_eqn(eqn, invals)`` returns each equation's outputs; the localiser
+  (`jmp_amp._src.localise`) walks jaxprs with it too.
+  """
   consts = ()
   if isinstance(jaxpr, jex_core.ClosedJaxpr):
     jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
@@ -68,6 +73,15 @@ def _eval_jaxpr(ctx: _Context, jaxpr, args: Sequence[Any]) -> list:
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
+    # Dropped outputs (DropVar) are stored too: nothing ever reads them.
+    env.update(zip(eqn.outvars, eval_eqn(eqn, [read(v) for v in eqn.invars])))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_jaxpr(ctx: _Context, jaxpr, args: Sequence[Any]) -> list:
+  """Evaluates a Jaxpr or ClosedJaxpr on `args` under the rules of `ctx`."""
+
+  def eval_eqn(eqn, invals):
     # Keeping each equation's source location and name stack makes the
     # lowered HLO carry the original op names (e.g. Flax module paths); its
     # context (compute_on, threefry mode, mesh) is the traced one.
@@ -77,10 +91,9 @@ def _eval_jaxpr(ctx: _Context, jaxpr, args: Sequence[Any]) -> list:
     manager = getattr(eqn_ctx, "manager", None) or contextlib.nullcontext()
     with source_info_util.user_context(eqn.source_info.traceback,
                                        name_stack=name_stack), manager:
-      outs = _eval_eqn(ctx, eqn, [read(v) for v in eqn.invars])
-    # Dropped outputs (DropVar) are stored too: nothing ever reads them.
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
+      return _eval_eqn(ctx, eqn, invals)
+
+  return eval_jaxpr(jaxpr, args, eval_eqn)
 
 
 def _is_weak(v) -> bool:
