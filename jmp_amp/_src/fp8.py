@@ -270,29 +270,35 @@ def scale_of(x: jax.Array, history: jax.Array, dtype: Any,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def qdq_operand(recipe: FP8Recipe, x: jax.Array,
-                history: jax.Array) -> jax.Array:
+def qdq_operand(recipe: FP8Recipe, x: jax.Array, history: jax.Array,
+                tie: jax.Array) -> jax.Array:
   """Forward operand `x` rounded through ``recipe.fwd_dtype``.
 
-  Returns ``dequantize(quantize(x))`` in ``recipe.compute_dtype``. The
-  gradient with respect to `x` passes straight through; the "gradient" with
-  respect to `history` is the updated history.
+  Returns ``dequantize(quantize(x + 0 * tie))`` in ``recipe.compute_dtype``
+  (`tie`: a finite float32 scalar of the matmul's other operand, see
+  `_fp8_matmul`). The gradient with respect to `x` passes straight through;
+  the "gradient" with respect to `history` is the updated history, with
+  respect to `tie` zero.
   """
-  return _qdq_operand_fwd(recipe, x, history)[0]
+  return _qdq_operand_fwd(recipe, x, history, tie)[0]
 
 
-def _qdq_operand_fwd(recipe, x, history):
+def _qdq_operand_fwd(recipe, x, history, tie):
   scale, new_history = scale_of(x, history, recipe.fwd_dtype, recipe)
-  q = quantize(x, recipe.fwd_dtype, scale)
-  # A zero-size array carries x's dtype (residuals must be arrays).
+  # Zero for a finite `tie`, which XLA cannot fold (0 * inf is NaN): the
+  # quantized operand is this matmul's own, see `_fp8_matmul`.
+  zero = np.float32(0) * tie.astype(jnp.float32)
+  q = quantize(x.astype(jnp.float32) + zero, recipe.fwd_dtype, scale)
+  # Zero-size arrays carry x's and tie's dtypes (residuals must be arrays).
   return (dequantize(q, scale, recipe.compute_dtype),
-          (new_history, jnp.zeros((0,), x.dtype)))
+          (new_history, jnp.zeros((0,), x.dtype), jnp.zeros((0,), tie.dtype)))
 
 
 def _qdq_operand_bwd(recipe, res, g):
   del recipe
-  new_history, like_x = res
-  return g.astype(like_x.dtype), new_history
+  new_history, like_x, like_tie = res
+  return (g.astype(like_x.dtype), new_history,
+          jnp.zeros((), like_tie.dtype))
 
 
 qdq_operand.defvjp(_qdq_operand_fwd, _qdq_operand_bwd)
@@ -359,8 +365,17 @@ def _fp8_matmul(what: str, op, lhs, rhs, state, recipe,
   """
   lhs, rhs = _check_operands(what, lhs, rhs)
   state = _check_state(what, state, recipe)
-  y = op(qdq_operand(recipe, lhs, state.lhs),
-         qdq_operand(recipe, rhs, state.rhs))
+  # Each operand is quantized with a zero term tied to the other operand's
+  # scale. Without it, matmuls that share an operand (q/k/v projections of
+  # one input, gate/up of a GLU) quantize it identically; XLA merges the
+  # copies (CSE) and then the matmuls into one GEMM whose bf16 operands it
+  # no longer recognises as FP8, forward and in the weight gradient.
+  lhs_scale = lax.stop_gradient(
+      scale_of(lhs, state.lhs, recipe.fwd_dtype, recipe)[0])
+  rhs_scale = lax.stop_gradient(
+      scale_of(rhs, state.rhs, recipe.fwd_dtype, recipe)[0])
+  y = op(qdq_operand(recipe, lhs, state.lhs, rhs_scale),
+         qdq_operand(recipe, rhs, state.rhs, lhs_scale))
   y = qdq_output_grad(recipe, y, state.grad)
   if preferred_element_type is not None:
     y = y.astype(preferred_element_type)

@@ -9,11 +9,13 @@ histories back. What users see is in `jmp_amp.flax.fp8`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 import warnings
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -42,6 +44,10 @@ class FP8Op(nnx.Module):
       histories of the input, the kernel and the output gradient.
     original, original_dtype: the knob values it replaced (static),
       restored when FP8 is removed.
+    name: the '/'-joined path of the module it belongs to (static). The
+      matmul runs under ``jax.named_scope(f"fp8[{name}]")``, so the ops of
+      the compiled program name their layer (see
+      `jmp_amp.tools.MatmulReport.fp8_layers`).
 
   A module called more than once per step (shared weights) would receive the
   sum of its new histories; give each call its own module, or exclude it.
@@ -50,10 +56,12 @@ class FP8Op(nnx.Module):
   knob: str = ""  # The module attribute this op is the value of.
 
   def __init__(self, recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe(), *,
-               original: Any = None, original_dtype: Any = None):
+               original: Any = None, original_dtype: Any = None,
+               name: str = ""):
     self.recipe = recipe
     self.original = original
     self.original_dtype = original_dtype
+    self.name = name
     state = fp8_lib.init_state(recipe)
     self.lhs_amax_history = FP8Meta(state.lhs)
     self.rhs_amax_history = FP8Meta(state.rhs)
@@ -64,6 +72,10 @@ class FP8Op(nnx.Module):
     return fp8_lib.FP8State(self.lhs_amax_history[...],
                             self.rhs_amax_history[...],
                             self.grad_amax_history[...])
+
+  def scope(self) -> contextlib.AbstractContextManager:
+    """The named scope its matmul runs under: ``fp8[<module path>]``."""
+    return jax.named_scope(f"fp8[{self.name}]")
 
 
 class FP8DotGeneral(FP8Op):
@@ -76,10 +88,11 @@ class FP8DotGeneral(FP8Op):
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, out_sharding=None):
-    return fp8_lib.dot_general(
-        lhs, rhs, dimension_numbers, precision=precision,
-        preferred_element_type=preferred_element_type, state=self.state(),
-        recipe=self.recipe, out_sharding=out_sharding)
+    with self.scope():
+      return fp8_lib.dot_general(
+          lhs, rhs, dimension_numbers, precision=precision,
+          preferred_element_type=preferred_element_type, state=self.state(),
+          recipe=self.recipe, out_sharding=out_sharding)
 
 
 class FP8Einsum(FP8Op):
@@ -92,10 +105,11 @@ class FP8Einsum(FP8Op):
 
   def __call__(self, subscripts, lhs, rhs, precision=None,
                preferred_element_type=None, out_sharding=None):
-    return fp8_lib.einsum(
-        subscripts, lhs, rhs, precision=precision,
-        preferred_element_type=preferred_element_type, state=self.state(),
-        recipe=self.recipe, out_sharding=out_sharding)
+    with self.scope():
+      return fp8_lib.einsum(
+          subscripts, lhs, rhs, precision=precision,
+          preferred_element_type=preferred_element_type, state=self.state(),
+          recipe=self.recipe, out_sharding=out_sharding)
 
 
 class FP8ConvGeneralDilated(FP8Op):
@@ -111,13 +125,14 @@ class FP8ConvGeneralDilated(FP8Op):
                rhs_dilation=None, dimension_numbers=None,
                feature_group_count=1, batch_group_count=1, precision=None,
                preferred_element_type=None, out_sharding=None):
-    return fp8_lib.conv_general_dilated(
-        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
-        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-        feature_group_count=feature_group_count,
-        batch_group_count=batch_group_count, precision=precision,
-        preferred_element_type=preferred_element_type, state=self.state(),
-        recipe=self.recipe, out_sharding=out_sharding)
+    with self.scope():
+      return fp8_lib.conv_general_dilated(
+          lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+          rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+          feature_group_count=feature_group_count,
+          batch_group_count=batch_group_count, precision=precision,
+          preferred_element_type=preferred_element_type, state=self.state(),
+          recipe=self.recipe, out_sharding=out_sharding)
 
 
 _OP_CLASSES = {cls.knob: cls for cls in (FP8DotGeneral, FP8Einsum,
@@ -360,15 +375,20 @@ def check_capable(path: tuple, module: nnx.Module) -> None:
         f"it, narrow the selection, or give it a non-FP8 policy.")
 
 
-def convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe) -> None:
-  """Sets `module`'s matmul knob to a fresh FP8 op and its dtype knob."""
+def convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe,
+            path: tuple = ()) -> None:
+  """Sets `module`'s matmul knob to a fresh FP8 op and its dtype knob.
+
+  `path`, the module's path in the model, names the op's scope.
+  """
   name = knob(module)
   current = vars(module)[name]
   if isinstance(current, FP8Op):
     original, dtype = current.original, current.original_dtype
   else:
     original, dtype = current, getattr(module, "dtype", None)
-  op = _OP_CLASSES[name](recipe, original=original, original_dtype=dtype)
+  op = _OP_CLASSES[name](recipe, original=original, original_dtype=dtype,
+                         name=path_str(path))
   setattr(module, name, nnx.data(op))
   if "dtype" in vars(module):
     setattr(module, "dtype", recipe.compute_dtype)

@@ -188,7 +188,7 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
                        cast_output=rules_lib.casts_output(_path_str(path),
                                                           res),
                        explicit=res.source == "rule",
-                       fp8=path in fp8_paths)
+                       fp8=path in fp8_paths, path=path)
       if problem:
         problems.append(f"{_path_str(path) or '<root>'!r} "
                         f"({type(module).__name__}) {problem}")
@@ -421,7 +421,8 @@ def _has_boundary(cls: type) -> bool:
 
 
 def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
-           explicit: bool, fp8: bool = False) -> Optional[str]:
+           explicit: bool, fp8: bool = False,
+           path: tuple = ()) -> Optional[str]:
   """Sets `module`'s knobs; says why it cannot follow `policy`, if so.
 
   An `FP8Policy` sets the knobs of its bfloat16 `Policy` and, if `fp8`,
@@ -453,7 +454,7 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
           and attrs.get(name + "_cls") is None):
         set_knob(name, replacement)
   if fp8:
-    fp8_lib.convert(module, fp8_policy.recipe)
+    fp8_lib.convert(module, fp8_policy.recipe, path)
   setattr(module, _ATTR, _Applied(fp8_policy if fp8 else policy, cast_output,
                                   tuple(originals.items()), fp8))
   if (has_dtype or _has_boundary(type(module))
