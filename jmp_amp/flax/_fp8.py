@@ -147,9 +147,10 @@ class FP8Policy:
   `recipe`; every module it decides (those too) follows the policy
   ``p=param_dtype, c=recipe.compute_dtype, o=recipe.compute_dtype`` for its
   other knobs, so norms and embeddings that inherit it compute in bfloat16.
-  With `keep_first_last`, the model's first and last matmul modules (in call
-  order when `set_policies` gets ``example_args``, else path order) get only
-  that bfloat16 policy. The string ``"float8"`` in a rule means
+  With `keep_first_last`, the model's first and last matmul modules in call
+  order get only that bfloat16 policy: `set_policies` needs
+  ``example_args`` to find the order, unless list indices decide it
+  (``layers/0`` ... ``layers/N``), and raises without them. The string ``"float8"`` in a rule means
   ``FP8Policy()``, an `FP8Recipe` means ``FP8Policy(recipe)``; write an
   `FP8Policy` for the other fields. `jmp_amp.flax.get_policies` gives it
   for the modules whose matmul runs in FP8.
@@ -405,17 +406,50 @@ def restore(module: nnx.Module) -> None:
     setattr(module, "dtype", op.original_dtype)
 
 
-def end_paths(model: nnx.Module, example_args: Optional[tuple]
-              ) -> set[tuple]:
-  """Paths of the first and last modules with a matmul knob.
+def end_paths(model: nnx.Module, example_args: Optional[tuple],
+              decided: Optional[set[tuple]] = None) -> set[tuple]:
+  """Paths of the first and last modules with a matmul knob, in call order.
 
-  In the order one abstract ``model(*example_args)`` calls them if
-  `example_args` is given, otherwise in path order.
+  The order is the one an abstract ``model(*example_args)`` calls them in.
+  Without `example_args`, list indices are all that is known of it
+  (``layers/0`` is called before ``layers/1``; attribute names say
+  nothing): that is enough if it singles out the first and the last module,
+  or if none of the modules that could be first or last is in `decided`
+  (then they are all returned, excluding nothing that was asked for).
+
+  Raises:
+    ValueError: no `example_args`, and the modules of `decided` that keep
+      their dtype depend on an order list indices do not decide.
   """
   candidates = [(p, m) for p, m in ordered_modules(model) if knob(m)]
   if example_args is not None:
     candidates = _call_order(model, candidates, tuple(example_args))
-  return {p for p, _ in candidates[:1] + candidates[-1:]}
+    return {p for p, _ in candidates[:1] + candidates[-1:]}
+  paths = [p for p, _ in candidates]
+  firsts = [p for p in paths if not any(_before(q, p) for q in paths)]
+  lasts = [p for p in paths if not any(_before(p, q) for q in paths)]
+  ends = set(firsts) | set(lasts)
+  if len(firsts) <= 1 and len(lasts) <= 1:
+    return ends
+  if decided is not None and not ends & set(decided):
+    return ends
+  raise ValueError(
+      f"FP8 rules keep a model's first and last matmul modules in bfloat16 "
+      f"(keep_first_last), and which of {[path_str(p) for p in paths]} "
+      f"those are depends on the order {type(model).__name__} calls them, "
+      f"which its attribute names do not tell: pass example_args=(inputs...) "
+      f"(arrays or jax.ShapeDtypeStruct) to jmp_amp.flax.set_policies, for "
+      f"one abstract call that finds the order, or use the rule value "
+      f"jmp_amp.flax.fp8.FP8Policy(keep_first_last=False) and choose the "
+      f"modules with rules.")
+
+
+def _before(a: tuple, b: tuple) -> bool:
+  """Whether list indices put path `a` before path `b` (they first differ
+  at a list index, smaller in `a`)."""
+  n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+  return (n is not None and isinstance(a[n], int) and isinstance(b[n], int)
+          and a[n] < b[n])
 
 
 def path_str(path: tuple) -> str:

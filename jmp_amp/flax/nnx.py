@@ -146,8 +146,8 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
     example_args: inputs (arrays or `jax.ShapeDtypeStruct`) for one
       abstract call ``model(*example_args)`` that finds the call order of
       the matmul modules, for FP8 rules that keep the first and last in
-      bfloat16; without it they are taken in path order (list indices
-      numerically), which need not be the call order.
+      bfloat16. Without it, only list indices can decide that order
+      (``layers/0`` ... ``layers/N``); otherwise such rules raise.
 
   Returns:
     `model`, for chaining.
@@ -158,8 +158,9 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
     ValueError: a rule value is not a policy, a pattern is malformed, a
       module matches two rules of equal rank, an FP8 rule names a module
       without a matmul knob that computes with Params of its own
-      (nnx.Embed, a norm, nnx.ConvTranspose), or (if `strict`) a rule
-      matched nothing or a module cannot follow its policy.
+      (nnx.Embed, a norm, nnx.ConvTranspose), FP8 rules keep the first and
+      last matmul modules but no `example_args` tell which they are, or (if
+      `strict`) a rule matched nothing or a module cannot follow its policy.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"set_policies expects an nnx.Module, got "
@@ -358,7 +359,8 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
       fp8_lib.check_capable(path, module)
   capable = [(p, pol) for p, m, pol in decided if fp8_lib.knob(m)]
   if any(pol.keep_first_last for _, pol in capable):
-    ends = fp8_lib.end_paths(model, example_args)
+    ends = fp8_lib.end_paths(model, example_args, {
+        p for p, pol in capable if pol.keep_first_last})
   else:
     ends = set()
   chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
