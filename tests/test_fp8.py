@@ -165,6 +165,75 @@ def test_delayed_scaling_uses_history_max_and_saturates_new_outliers():
   np.testing.assert_array_equal(new_history, [100.0, 0.0, 0.0])
 
 
+# --------------------------------------------------------------------------
+# Rowwise scaling.
+
+ROWWISE = fp8.FP8Recipe(scaling="rowwise")
+DN = (((1,), (0,)), ((), ()))
+
+
+def _rel(a, b, axis=None):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b, axis=axis) / np.linalg.norm(b, axis=axis)
+
+
+def test_rowwise_keeps_small_rows_next_to_an_outlier_row():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(16, 64)).astype(np.float32)
+  x[0] *= 1e6  # one outlier token
+  w = rng.normal(size=(64, 32)).astype(np.float32)
+  want = x @ w
+  rowwise = jmp_amp.fp8.dot_general(x, w, DN, recipe=ROWWISE)
+  current = jmp_amp.fp8.dot_general(x, w, DN)
+  # Per-tensor scaling pushes the other rows below E4M3's range; one scale
+  # per row keeps them at FP8's usual error.
+  assert _rel(current, want, axis=1)[1:].min() > 0.5
+  assert _rel(rowwise, want, axis=1).max() < 0.06
+  assert rowwise.dtype == jnp.bfloat16
+
+
+def test_rowwise_gradients_match_float32_with_batch_dims():
+  rng = np.random.default_rng(1)
+  a = jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32)
+  b = jnp.asarray(rng.normal(size=(8, 2, 6, 3)), jnp.float32)
+  dn = (((3, 2), (0, 3)), ((0,), (1,)))  # a batch dim, two contracted
+  c = jnp.asarray(rng.normal(size=(2, 5, 6)), jnp.float32)
+  f8 = lambda a, b: jnp.sum(jmp_amp.fp8.dot_general(
+      a, b, dn, recipe=ROWWISE).astype(jnp.float32) * c)
+  f32 = lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) * c)
+  y = jmp_amp.fp8.dot_general(a, b, dn, recipe=ROWWISE)
+  assert y.shape == (2, 5, 6)
+  assert _rel(y.astype(jnp.float32), jax.lax.dot_general(a, b, dn)) < 0.06
+  for got, want in zip(jax.grad(f8, (0, 1))(a, b),
+                       jax.grad(f32, (0, 1))(a, b)):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert _rel(got, want) < 0.06, _rel(got, want)
+
+
+def test_rowwise_histories_record_whole_tensor_amax():
+  x = jnp.array([[1.0, -2.0], [0.5, 0.25]])
+  w = jnp.array([[3.0], [-1.0]])
+  state = fp8.FP8State(jnp.array([9.0, 8.0]), jnp.array([7.0, 6.0]),
+                       jnp.array([5.0, 4.0]))
+  recipe = fp8.FP8Recipe(scaling="rowwise", history_len=2)
+  new = jax.grad(lambda s: jnp.sum(jmp_amp.fp8.dot_general(
+      x, w, DN, state=s, recipe=recipe).astype(jnp.float32) * 3.0))(state)
+  np.testing.assert_array_equal(new.lhs, [2.0, 9.0])
+  np.testing.assert_array_equal(new.rhs, [3.0, 7.0])
+  np.testing.assert_array_equal(new.grad, [3.0, 5.0])
+
+
+def test_rowwise_is_for_dot_general_only():
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  with pytest.raises(ValueError, match="rowwise scaling is implemented for "
+                     "jmp_amp.fp8.dot_general only"):
+    jmp_amp.fp8.einsum("ab,bc->ac", x, w, recipe=ROWWISE)
+  with pytest.raises(ValueError, match="rowwise scaling is implemented"):
+    jmp_amp.fp8.conv_general_dilated(jnp.ones((1, 2, 4, 4)),
+                                     jnp.ones((3, 2, 3, 3)), (1, 1), "VALID",
+                                     recipe=ROWWISE)
+
+
 def test_histories_arrive_as_gradients():
   """The "gradient" of each history is its updated value (current and delayed)."""
   x = jnp.array([[1.0, -2.0], [0.5, 0.25]])

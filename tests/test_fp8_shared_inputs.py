@@ -32,7 +32,8 @@ WGRAD = "float8_e4m3fn x float8_e5m2 -> bf16"  # weight gradient
 FP8_LAYERS = ["attn/query", "attn/key", "attn/value", "attn/out", "gate",
               "up", "down", "mix"]
 RECIPES = {"current": jmp_amp.fp8.FP8Recipe(),
-           "delayed": jmp_amp.fp8.delayed_scaling(history_len=4)}
+           "delayed": jmp_amp.fp8.delayed_scaling(history_len=4),
+           "rowwise": jmp_amp.fp8.FP8Recipe(scaling="rowwise")}
 
 
 class Block(nnx.Module):
@@ -61,7 +62,14 @@ def _x():
 
 def _model(recipe):
   model = Block(nnx.Rngs(0))
-  return jmp_amp.flax.set_policies(model, {"*": recipe}, example_args=(_x(),))
+  rules = {"*": recipe}
+  if recipe.scaling == "rowwise":  # dot_general only: not nnx.Einsum
+    rules["mix"] = "bfloat16"
+  return jmp_amp.flax.set_policies(model, rules, example_args=(_x(),))
+
+
+def _fp8_layers(scaling):
+  return [p for p in FP8_LAYERS if scaling != "rowwise" or p != "mix"]
 
 
 def _train_step(model):
@@ -133,23 +141,27 @@ def test_tie_leaves_the_numerics_unchanged(scaling):
 # H100, compiled without a GPU.
 
 
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise"])
 def test_every_fp8_layer_compiles_to_fp8_gemms(scaling):
   _target_or_skip()
   step, state = _train_step(_model(RECIPES[scaling]))
   report = jmp_amp.gpu_report(step, state, _x())
   assert report.fp8_fallbacks() == {}
   layers = report.fp8_layers()
-  assert sorted(layers) == sorted(FP8_LAYERS)
+  expected = _fp8_layers(scaling)
+  assert sorted(layers) == sorted(expected)
   # Forward E4M3 x E4M3; both gradients take the E5M2 output gradient
-  # (cuBLAS may get the weight gradient's operands in either order).
-  for layer in FP8_LAYERS:
+  # (cuBLAS may get the weight gradient's operands in either order). Rowwise
+  # GEMMs return float32, which the row scales multiply.
+  fwd = FWD.replace("bf16", "f32") if scaling == "rowwise" else FWD
+  for layer in expected:
     sigs = layers[layer]
-    assert sigs.get(FWD) == 1 and sum(sigs.values()) == 3, (layer, sigs)
-    assert all(s == FWD or "float8_e5m2" in s for s in sigs), (layer, sigs)
+    assert sigs.get(fwd) == 1 and sum(sigs.values()) == 3, (layer, sigs)
+    assert all(s == fwd or "float8_e5m2" in s for s in sigs), (layer, sigs)
   counts = report.gemms_by_dtype()
-  assert counts[FWD] == 8
-  assert counts.get(DGRAD, 0) + counts.get(WGRAD, 0) == 16
+  assert counts[fwd] == len(expected)
+  assert sum(n for s, n in counts.items() if "float8_e5m2" in s) == (
+      2 * len(expected))
 
 
 def test_autocast_fp8_matmuls_sharing_an_input_stay_fp8():
