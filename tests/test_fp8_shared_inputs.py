@@ -179,6 +179,28 @@ def test_autocast_fp8_matmuls_sharing_an_input_stay_fp8():
   assert report.gemms_by_dtype() == {FWD: 3, WGRAD: 3}
 
 
+def test_linen_under_autocast_fp8_keeps_shared_input_gemms_fp8():
+  # Linen rules have no FP8 modules; linen models get FP8 from autocast.
+  _target_or_skip()
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class GLU(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      h = jax.nn.silu(nn.Dense(2 * D, name="gate")(x)) * nn.Dense(
+          2 * D, name="up")(x)
+      return nn.Dense(D, name="down")(h)
+
+  x = jax.ShapeDtypeStruct((32, D), jnp.float32)
+  params = jax.eval_shape(GLU().init, jax.random.key(0), x)
+  loss = lambda p, x: jnp.sum(jnp.tanh(GLU().apply(p, x)))
+  report = jmp_amp.gpu_report(
+      jax.grad(jmp_amp.autocast(loss, "float8")), params, x)
+  # gate, up, down forward and weight gradients; down's input gradient.
+  assert report.gemms_by_dtype() == {FWD: 3, WGRAD: 3, DGRAD: 1}
+
+
 def _untied_layers(x, ws):
   outs = []
   for name, w in ws.items():
