@@ -107,12 +107,6 @@ class MatmulRecord:
     return m.group(1) if m else None
 
   @property
-  def is_fp8(self) -> bool:
-    """Whether both operands are FP8 (an FP8 GEMM or convolution)."""
-    return all(d.startswith("float8") for d in (self.lhs_dtype,
-                                                   self.rhs_dtype))
-
-  @property
   def input_dtype(self) -> str:
     """The operand dtype, or ``"lhs x rhs"`` when the operands differ."""
     if self.lhs_dtype == self.rhs_dtype:
