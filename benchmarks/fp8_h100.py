@@ -149,7 +149,11 @@ CASES = {"mlp": (_mlp_case, "set_fp8"), "gpt": (_gpt_case, "set_fp8"),
 def run_case(name: str) -> dict:
   case, how = CASES[name]
   build, batch, loss = case(how)
-  fp8_layers = sorted(flax_fp8.histories(nnx.eval_shape(build)))
+  # The paths of the FP8 layers: their policies (abstract histories have no
+  # values to read).
+  fp8_layers = sorted(
+      p for p, pol in jmp_amp.flax.get_policies(nnx.eval_shape(build)).items()
+      if isinstance(pol, flax_fp8.FP8Policy))
   tx = optax.sgd(1e-3)
   if how == "autocast":
     # make_train_step needs loss_scaling; FP8 needs no loss scale.

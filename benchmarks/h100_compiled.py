@@ -61,7 +61,8 @@ def gpt_rows(modes, loss_fn=None):
                         c["num_layers"], c["max_len"], rngs=nnx.Rngs(0))
     step, state = gpu.nnx_step(
         model, loss_fn or gpt_lib.lm_loss, mode,
-        optax.adamw(c["lr"], weight_decay=c["weight_decay"]))
+        optax.adamw(c["lr"], weight_decay=c["weight_decay"]),
+        example_args=(tokens,))
     return step, state, (tokens, tokens)
 
   rows = [gpu.mode_report(name, build) for name in modes]

@@ -2,9 +2,10 @@
 
 The building blocks, for code that calls matmuls itself: `dot_general`,
 `einsum` and `conv_general_dilated` take the arguments of their `jax.lax` /
-`jax.numpy` namesakes plus an `FP8Recipe` (current scaling by default, or
-`delayed_scaling`) and, for delayed scaling, the amax histories (`FP8State`)
-the training loop carries. Compiled for Hopper GPUs, XLA turns them into FP8
+`jax.numpy` namesakes plus an `FP8Recipe` (current scaling by default,
+`delayed_scaling`, or ``FP8Recipe(scaling="rowwise")`` for `dot_general`)
+and, for delayed scaling, the amax histories (`FP8State`) the training loop
+carries. Compiled for Hopper GPUs, XLA turns them into FP8
 cuBLAS GEMMs and cuDNN convolutions; elsewhere they compute with the
 FP8-rounded values, so the numerics are FP8's on every backend.
 

@@ -21,6 +21,10 @@ Checks:
   * the finite check compiled for GPUs (run here on the CPU devices) on
     gradients sharded along either axis: right answer, including a NaN on
     one shard, and no gather of the gradients (only small reductions).
+  * FP8 (an NNX MLP, delayed scaling) under `jit` over a batch split over
+    the devices, params replicated or split (FSDP): the same amax histories
+    as one device, bit for bit (each amax is the whole batch's), and the
+    same params to float tolerance.
 """
 
 import json
@@ -294,6 +298,58 @@ def check_finite_check(results, mesh):
   results["finite_check_nan_shard"] = bool(check(tree))
 
 
+def check_fp8(results, mesh):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  from jmp_amp import models  # pylint: disable=g-import-not-at-top
+
+  model = models.MLP(16, 4, num_layers=3, width=32, rngs=nnx.Rngs(0))
+  jmp_amp.flax.set_policies(model, jmp_amp.flax.fp8.FP8Policy(
+      jmp_amp.fp8.delayed_scaling(4), keep_first_last=False))
+  opt = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, opt))
+
+  def step(state, batch):
+    model, opt = nnx.merge(graphdef, state)
+    _, grads = jmp_amp.flax.fp8.value_and_grad(
+        lambda m: models.mse_loss(m(batch[0]), batch[1]))(model)
+    opt.update(model, grads)
+    return nnx.state((model, opt))
+
+  rng = np.random.default_rng(0)
+  # Rows of growing size: each device's part of the batch has its own amax.
+  batches = [(jnp.asarray(rng.normal(size=(BATCH, 16))
+                          * np.linspace(0.5, 4, BATCH)[:, None], jnp.float32),
+              jnp.asarray(rng.normal(size=(BATCH, 4)), jnp.float32))
+             for _ in range(3)]
+
+  def train(fn, state):
+    for batch in batches:
+      state = fn(state, batch)
+    return state
+
+  def histories(state):
+    return nnx.to_pure_dict(nnx.state(state, jmp_amp.flax.fp8.FP8Meta))
+
+  ref = train(jax.jit(step), state)
+  repl = NamedSharding(mesh, P())
+  batch_sh = NamedSharding(mesh, P("data"))
+  state_sh = jax.tree_util.tree_map(
+      lambda x: NamedSharding(mesh, fsdp_spec(x)), state)
+  for name, sh in (("dp", repl), ("fsdp", state_sh)):
+    out = train(jax.jit(step, in_shardings=(sh, batch_sh), out_shardings=sh),
+                jax.device_put(state, sh))
+    results[f"fp8_{name}_histories_equal"] = tree_bytes_equal(
+        histories(out), histories(ref))
+    results[f"fp8_{name}_max_diff"] = max_diff(
+        nnx.state(out, nnx.Param), nnx.state(ref, nnx.Param))
+  results["fp8_newest_input_amax"] = float(
+      histories(ref)[0]["layers"][0]["dot_general"]["lhs_amax_history"][0])
+  results["fp8_global_input_amax"] = float(jnp.max(jnp.abs(batches[-1][0])))
+  results["fp8_device0_input_amax"] = float(
+      jnp.max(jnp.abs(batches[-1][0][:BATCH // NUM_DEVICES])))
+
+
 def main():
   results = {"devices": jax.device_count()}
   if jax.device_count() != NUM_DEVICES:
@@ -302,6 +358,7 @@ def main():
   mesh, state_sh, fsdp_state = check_jit(results)
   check_shard_map(results, mesh)
   check_finite_check(results, mesh)
+  check_fp8(results, mesh)
   if "--no-checkpoint" not in sys.argv:
     check_checkpoint(results, mesh, state_sh, fsdp_state)
   print(json.dumps(results))

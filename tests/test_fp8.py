@@ -156,12 +156,82 @@ def test_delayed_scaling_uses_history_max_and_saturates_new_outliers():
   np.testing.assert_allclose(scale, 4.0 / 448.0, rtol=1e-7)
   np.testing.assert_array_equal(new_history, [100.0, 2.0, 4.0])
   back = fp8.qdq_operand(
-      dataclasses.replace(recipe, compute_dtype=jnp.float32), x, history)
+      dataclasses.replace(recipe, compute_dtype=jnp.float32), x, history,
+      jnp.float32(1.0))
   np.testing.assert_allclose(back, [4.0, -3.0, 1.0], rtol=2.0**-4)
   # The first step (empty history) uses the current amax, not scale 1.
   scale, new_history = fp8.scale_of(x, jnp.zeros((3,)), E4M3, recipe)
   np.testing.assert_allclose(scale, 100.0 / 448.0, rtol=1e-7)
   np.testing.assert_array_equal(new_history, [100.0, 0.0, 0.0])
+
+
+# --------------------------------------------------------------------------
+# Rowwise scaling.
+
+ROWWISE = fp8.FP8Recipe(scaling="rowwise")
+DN = (((1,), (0,)), ((), ()))
+
+
+def _rel(a, b, axis=None):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b, axis=axis) / np.linalg.norm(b, axis=axis)
+
+
+def test_rowwise_keeps_small_rows_next_to_an_outlier_row():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(16, 64)).astype(np.float32)
+  x[0] *= 1e6  # one outlier token
+  w = rng.normal(size=(64, 32)).astype(np.float32)
+  want = x @ w
+  rowwise = jmp_amp.fp8.dot_general(x, w, DN, recipe=ROWWISE)
+  current = jmp_amp.fp8.dot_general(x, w, DN)
+  # Per-tensor scaling pushes the other rows below E4M3's range; one scale
+  # per row keeps them at FP8's usual error.
+  assert _rel(current, want, axis=1)[1:].min() > 0.5
+  assert _rel(rowwise, want, axis=1).max() < 0.06
+  assert rowwise.dtype == jnp.bfloat16
+
+
+def test_rowwise_gradients_match_float32_with_batch_dims():
+  rng = np.random.default_rng(1)
+  a = jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32)
+  b = jnp.asarray(rng.normal(size=(8, 2, 6, 3)), jnp.float32)
+  dn = (((3, 2), (0, 3)), ((0,), (1,)))  # a batch dim, two contracted
+  c = jnp.asarray(rng.normal(size=(2, 5, 6)), jnp.float32)
+  f8 = lambda a, b: jnp.sum(jmp_amp.fp8.dot_general(
+      a, b, dn, recipe=ROWWISE).astype(jnp.float32) * c)
+  f32 = lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) * c)
+  y = jmp_amp.fp8.dot_general(a, b, dn, recipe=ROWWISE)
+  assert y.shape == (2, 5, 6)
+  assert _rel(y.astype(jnp.float32), jax.lax.dot_general(a, b, dn)) < 0.06
+  for got, want in zip(jax.grad(f8, (0, 1))(a, b),
+                       jax.grad(f32, (0, 1))(a, b)):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert _rel(got, want) < 0.06, _rel(got, want)
+
+
+def test_rowwise_histories_record_whole_tensor_amax():
+  x = jnp.array([[1.0, -2.0], [0.5, 0.25]])
+  w = jnp.array([[3.0], [-1.0]])
+  state = fp8.FP8State(jnp.array([9.0, 8.0]), jnp.array([7.0, 6.0]),
+                       jnp.array([5.0, 4.0]))
+  recipe = fp8.FP8Recipe(scaling="rowwise", history_len=2)
+  new = jax.grad(lambda s: jnp.sum(jmp_amp.fp8.dot_general(
+      x, w, DN, state=s, recipe=recipe).astype(jnp.float32) * 3.0))(state)
+  np.testing.assert_array_equal(new.lhs, [2.0, 9.0])
+  np.testing.assert_array_equal(new.rhs, [3.0, 7.0])
+  np.testing.assert_array_equal(new.grad, [3.0, 5.0])
+
+
+def test_rowwise_is_for_dot_general_only():
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  with pytest.raises(ValueError, match="rowwise scaling is implemented for "
+                     "jmp_amp.fp8.dot_general only"):
+    jmp_amp.fp8.einsum("ab,bc->ac", x, w, recipe=ROWWISE)
+  with pytest.raises(ValueError, match="rowwise scaling is implemented"):
+    jmp_amp.fp8.conv_general_dilated(jnp.ones((1, 2, 4, 4)),
+                                     jnp.ones((3, 2, 3, 3)), (1, 1), "VALID",
+                                     recipe=ROWWISE)
 
 
 def test_histories_arrive_as_gradients():
@@ -276,11 +346,11 @@ def _mlp(num_layers=4, **kw):
                     **kw)
 
 
-def _gpt(**kw):
+def _gpt(num_layers=2, **kw):
   """An abstract GPT (ShapeDtypeStruct variables): module structure only."""
   return nnx.eval_shape(lambda: models.GPT(
-      vocab_size=32, d_model=16, num_heads=2, num_layers=2, max_len=8,
-      rngs=nnx.Rngs(0), **kw))
+      vocab_size=32, d_model=16, num_heads=2, num_layers=num_layers,
+      max_len=8, rngs=nnx.Rngs(0), **kw))
 
 
 def _fp8_paths(model):
@@ -291,12 +361,9 @@ def test_default_keeps_first_and_last_layers_out():
   set_policies = jmp_amp.flax.set_policies
   assert _fp8_paths(set_policies(_mlp(), {"*": "float8"})) == [
       "layers/1", "layers/2"]
-  # Path order: blocks/0/attn/proj sorts first, blocks/1/mlp/out last;
-  # embeddings, norms and the tied head are never FP8.
-  assert _fp8_paths(set_policies(_gpt(), {"*": "float8"})) == [
-      "blocks/0/attn/qkv", "blocks/0/mlp/fc", "blocks/0/mlp/out",
-      "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc"]
-  # Call order (one abstract call): blocks/0/attn/qkv is the first matmul.
+  # Call order (one abstract call): blocks/0/attn/qkv is the first matmul,
+  # blocks/1/mlp/out the last; embeddings, norms and the tied head are never
+  # FP8. (Without example_args, see test_first_and_last_are_by_call_order.)
   tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
   gpt = set_policies(_gpt(), {"*": "float8"}, example_args=(tokens,))
   assert _fp8_paths(gpt) == [
@@ -309,11 +376,58 @@ def test_default_keeps_first_and_last_layers_out():
   mlp = _mlp(num_layers=12)  # layers/10 sorts after layers/9
   assert sorted(flax_fp8.histories(set_policies(mlp, "float8")), key=len) == [
       f"layers/{i}" for i in range(1, 11)]
-  untied = set_policies(_gpt(tie_embeddings=False), "float8")
+  untied = set_policies(_gpt(tie_embeddings=False), "float8",
+                        example_args=(tokens,))
   assert "head" not in flax_fp8.histories(untied)
   assert "blocks/1/mlp/out" in flax_fp8.histories(untied)
   everything = set_policies(_gpt(), flax_fp8.FP8Policy(keep_first_last=False))
   assert len(flax_fp8.histories(everything)) == 8
+
+
+class _NamedAgainstCallOrder(nnx.Module):
+  """Three Linear layers whose names sort against the order of the calls."""
+
+  def __init__(self, rngs):
+    self.z_first = nnx.Linear(4, 8, rngs=rngs)
+    self.m_middle = nnx.Linear(8, 8, rngs=rngs)
+    self.a_last = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.a_last(jax.nn.relu(self.m_middle(self.z_first(x))))
+
+
+@pytest.mark.parametrize("rules", ["float8", {"*": fp8.delayed_scaling(2)}])
+def test_first_and_last_are_by_call_order(rules):
+  build = lambda: _NamedAgainstCallOrder(nnx.Rngs(0))
+  x = jax.ShapeDtypeStruct((3, 4), jnp.float32)
+  model = jmp_amp.flax.set_policies(build(), rules, example_args=(x,))
+  assert _fp8_paths(model) == ["m_middle"]
+  policies = jmp_amp.flax.get_policies(model)
+  assert str(policies["z_first"]) == str(policies["a_last"]) == (
+      "p=f32,c=bf16,o=bf16")
+  # Without example inputs, the names would say a_last comes first: raise.
+  with pytest.raises(ValueError, match=r"depends on the order "
+                     r"_NamedAgainstCallOrder calls them.*pass example_args"):
+    jmp_amp.flax.set_policies(build(), rules)
+  with pytest.warns(DeprecationWarning), pytest.raises(
+      ValueError, match="pass example_args"):
+    flax_fp8.set_fp8(build())
+  # Not asked to keep the ends: no order needed.
+  everything = jmp_amp.flax.set_policies(
+      build(), flax_fp8.FP8Policy(keep_first_last=False))
+  assert _fp8_paths(everything) == ["a_last", "m_middle", "z_first"]
+  # List indices do decide the order: layers/0 ... layers/N.
+  assert _fp8_paths(jmp_amp.flax.set_policies(_mlp(), "float8")) == [
+      "layers/1", "layers/2"]
+  # Or decide enough: the middle block holds neither end, whatever the
+  # order within blocks.
+  gpt = jmp_amp.flax.set_policies(_gpt(num_layers=3), {
+      "blocks/1": "float8", "*": "bf16"})
+  assert _fp8_paths(gpt) == ["blocks/1/attn/proj", "blocks/1/attn/qkv",
+                             "blocks/1/mlp/fc", "blocks/1/mlp/out"]
+  with pytest.raises(ValueError, match="pass example_args"):
+    jmp_amp.flax.set_policies(_gpt(num_layers=3), {
+        "blocks/2": "float8", "*": "bf16"})
 
 
 @pytest.mark.parametrize("build,rules,why", [
@@ -399,12 +513,14 @@ def test_fp8_rules_name_embeddings_and_norms_only_to_raise():
                      "'ln_f' of type LayerNorm"):
     jmp_amp.flax.set_policies(gpt, {nnx.LayerNorm: "float8"})
   # Inherited or by default, they follow the rule's bfloat16 policy.
-  jmp_amp.flax.set_policies(gpt, {"blocks/0": "float8", "*": "float32"})
+  jmp_amp.flax.set_policies(gpt, {"blocks/0": "float8", "*": "float32"},
+                            example_args=(jnp.zeros((2, 8), jnp.int32),))
   policies = jmp_amp.flax.get_policies(gpt)
   assert str(policies["blocks/0/ln1"]) == "p=f32,c=bf16,o=bf16"
   assert gpt.blocks[0].ln1.dtype == jnp.bfloat16
+  # blocks/0/attn/qkv is the model's first matmul (it sorts after .../proj).
   assert _fp8_paths(gpt) == [
-      "blocks/0/attn/qkv", "blocks/0/mlp/fc", "blocks/0/mlp/out"]
+      "blocks/0/attn/proj", "blocks/0/mlp/fc", "blocks/0/mlp/out"]
   # linen has no FP8 modules: a clear error instead of a silent bf16.
   with pytest.raises(ValueError, match="asks for FP8 .'float8'., which "
                      "jmp_amp.flax applies to NNX models only"):
@@ -420,7 +536,6 @@ def test_fp8_rules_name_embeddings_and_norms_only_to_raise():
 
 @pytest.mark.parametrize("build,example", [
     (_mlp, None),
-    (_gpt, None),
     (_gpt, (jax.ShapeDtypeStruct((2, 8), jnp.int32),)),
 ])
 @pytest.mark.parametrize("recipe", [None, fp8.delayed_scaling(history_len=3)])
@@ -503,7 +618,8 @@ def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
   fresh = nnx.graphdef(model)
   rules = {"blocks/*/mlp": "float8", nnx.LayerNorm: "float32",
            "*": "mixed_bfloat16"}
-  jmp_amp.flax.set_policies(model, rules)
+  tokens = jnp.asarray(models.data.token_batch(2, seq_len=8, vocab=32))
+  jmp_amp.flax.set_policies(model, rules, example_args=(tokens,))
   # blocks/1/mlp/out is the model's last matmul module: kept bf16.
   assert _fp8_paths(model) == [
       "blocks/0/mlp/fc", "blocks/0/mlp/out", "blocks/1/mlp/fc"]
@@ -511,7 +627,6 @@ def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
   assert attn.dtype == jnp.bfloat16 and attn.dot_general is jax.lax.dot_general
   assert model.blocks[0].ln1.dtype == jnp.float32
   assert str(jmp_amp.flax.get_policies(model)["blocks/0/mlp/fc"]) == "float8"
-  tokens = jnp.asarray(models.data.token_batch(2, seq_len=8, vocab=32))
   logits = model(tokens)
   assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
   # Applying other rules replaces the FP8 set-up; clearing restores all.
@@ -519,7 +634,7 @@ def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
   assert flax_fp8.histories(model) == {}
   assert model.blocks[0].mlp.fc.dot_general is jax.lax.dot_general
   assert model.blocks[0].mlp.fc.dtype == jnp.bfloat16
-  jmp_amp.flax.set_policies(model, {"*": "float8"})
+  jmp_amp.flax.set_policies(model, {"*": "float8"}, example_args=(tokens,))
   assert len(flax_fp8.histories(model)) == 6
   jmp_amp.flax.clear_policies(model)
   assert flax_fp8.histories(model) == {}
@@ -742,7 +857,9 @@ def test_fp8_gpt_final_loss_within_3_percent_of_bf16():
   # Linear layers in FP8), same data and steps.
   loss_bf16, _ = _train_gpt(lambda m: m)
   loss_fp8, model = _train_gpt(
-      lambda m: jmp_amp.flax.set_policies(m, {"*": "float8"}))
+      lambda m: jmp_amp.flax.set_policies(
+          m, {"*": "float8"},
+          example_args=(jax.ShapeDtypeStruct((16, 32), jnp.int32),)))
   assert len(flax_fp8.histories(model)) == 6
   assert loss_bf16 < 0.1 * np.log(64), loss_bf16  # it learned the task
   assert abs(loss_fp8 - loss_bf16) <= 0.03 * loss_bf16, (loss_bf16, loss_fp8)

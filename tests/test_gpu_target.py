@@ -183,6 +183,10 @@ def test_bench_target_h100_fp8_modes_count_the_f8_gemms(tmp_path, capsys):
       "float8_e5m2 x float8_e4m3fn -> bf16": 1,
       "float8_e4m3fn x float8_e5m2 -> bf16": 1}
   assert rules["fp8_gemm_flops"] == pytest.approx(3 / 8)
+  # The audit per FP8 layer: layers/1 compiled to FP8 GEMMs only.
+  assert rules["fp8_layers"] == 1 and rules["fp8_fallbacks"] == {}
+  assert "fp8: every FP8 layer (1) runs FP8 GEMMs" in text
+  assert "fp8_layers" not in autocast  # no FP8 layers: ops, not modules
   # autocast float8 takes every float32 matmul (the first layer's input
   # gradient is not computed).
   assert autocast["gemms_by_dtype"] == {

@@ -22,6 +22,15 @@ Scaling recipes (`FP8Recipe`):
   amax of the last ``history_len`` steps, and this step's amax is pushed into
   the history (an all-zero history, on the first step, uses this step's amax).
   The history (`FP8State`) is state the training loop carries.
+* ``"rowwise"`` (torchao's rowwise recipe): like current scaling, but each
+  GEMM operand gets one scale per row of the GEMM, i.e. per index of the
+  dimensions it does not contract (per token of an activation, per output
+  feature of a weight), so one outlier costs its row the precision, not the
+  whole tensor. The three GEMMs of a matmul contract different dimensions,
+  so each quantizes its operands afresh; the GEMMs take the FP8 tensors
+  themselves and the scales multiply their float32 results. For
+  `dot_general` (and the modules that call it: nnx.Linear,
+  nnx.LinearGeneral) only; autocast keeps to current scaling.
 
 How the histories are updated without leaving the jitted step: the gradient
 amax is only known in the backward pass, so `dot_general` takes the
@@ -55,7 +64,7 @@ from jmp_amp._src import dtypes as dtypes_lib
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES: tuple[np.dtype, ...] = (E4M3, E5M2)
-SCALINGS = ("current", "delayed")
+SCALINGS = ("current", "delayed", "rowwise")
 # Names that mean "FP8 matmuls" where a dtype or policy name is expected
 # (`jmp_amp.autocast`, Flax rules, `make_train_step(autocast=...)`).
 FP8_NAMES = ("float8", "fp8", "f8")
@@ -177,11 +186,13 @@ class FP8Recipe:
   """How FP8 matmuls scale their tensors (static: hashable, not a pytree).
 
   Attributes:
-    scaling: ``"current"`` (scale from this step's amax, the default) or
+    scaling: ``"current"`` (scale from this step's amax, the default),
       ``"delayed"`` (scale from the largest amax of the last `history_len`
-      steps, TransformerEngine's recipe).
-    history_len: amax history length per tensor (for ``"current"`` it only
-      records the last steps for monitoring; 1 is enough).
+      steps, TransformerEngine's recipe) or ``"rowwise"`` (current scaling
+      with a scale per row of each GEMM operand; `dot_general` only).
+    history_len: amax history length per tensor (for ``"current"`` and
+      ``"rowwise"`` it only records the last steps' whole-tensor amax for
+      monitoring; 1 is enough).
     margin: scales are multiplied by ``2**margin`` (headroom against growth).
     compute_dtype: dtype the quantized operands are dequantized to and the
       matmul returns (bfloat16: the FP8 GEMM's output dtype on GPU).
@@ -270,29 +281,35 @@ def scale_of(x: jax.Array, history: jax.Array, dtype: Any,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def qdq_operand(recipe: FP8Recipe, x: jax.Array,
-                history: jax.Array) -> jax.Array:
+def qdq_operand(recipe: FP8Recipe, x: jax.Array, history: jax.Array,
+                tie: jax.Array) -> jax.Array:
   """Forward operand `x` rounded through ``recipe.fwd_dtype``.
 
-  Returns ``dequantize(quantize(x))`` in ``recipe.compute_dtype``. The
-  gradient with respect to `x` passes straight through; the "gradient" with
-  respect to `history` is the updated history.
+  Returns ``dequantize(quantize(x + 0 * tie))`` in ``recipe.compute_dtype``
+  (`tie`: a finite float32 scalar of the matmul's other operand, see
+  `_fp8_matmul`). The gradient with respect to `x` passes straight through;
+  the "gradient" with respect to `history` is the updated history, with
+  respect to `tie` zero.
   """
-  return _qdq_operand_fwd(recipe, x, history)[0]
+  return _qdq_operand_fwd(recipe, x, history, tie)[0]
 
 
-def _qdq_operand_fwd(recipe, x, history):
+def _qdq_operand_fwd(recipe, x, history, tie):
   scale, new_history = scale_of(x, history, recipe.fwd_dtype, recipe)
-  q = quantize(x, recipe.fwd_dtype, scale)
-  # A zero-size array carries x's dtype (residuals must be arrays).
+  # Zero for a finite `tie`, which XLA cannot fold (0 * inf is NaN): the
+  # quantized operand is this matmul's own, see `_fp8_matmul`.
+  zero = np.float32(0) * tie.astype(jnp.float32)
+  q = quantize(x.astype(jnp.float32) + zero, recipe.fwd_dtype, scale)
+  # Zero-size arrays carry x's and tie's dtypes (residuals must be arrays).
   return (dequantize(q, scale, recipe.compute_dtype),
-          (new_history, jnp.zeros((0,), x.dtype)))
+          (new_history, jnp.zeros((0,), x.dtype), jnp.zeros((0,), tie.dtype)))
 
 
 def _qdq_operand_bwd(recipe, res, g):
   del recipe
-  new_history, like_x = res
-  return g.astype(like_x.dtype), new_history
+  new_history, like_x, like_tie = res
+  return (g.astype(like_x.dtype), new_history,
+          jnp.zeros((), like_tie.dtype))
 
 
 qdq_operand.defvjp(_qdq_operand_fwd, _qdq_operand_bwd)
@@ -359,12 +376,129 @@ def _fp8_matmul(what: str, op, lhs, rhs, state, recipe,
   """
   lhs, rhs = _check_operands(what, lhs, rhs)
   state = _check_state(what, state, recipe)
-  y = op(qdq_operand(recipe, lhs, state.lhs),
-         qdq_operand(recipe, rhs, state.rhs))
+  if recipe.scaling == "rowwise":
+    raise ValueError(f"{what}: rowwise scaling is implemented for "
+                     f"jmp_amp.fp8.dot_general only (nnx.Linear, "
+                     f"nnx.LinearGeneral); use current or delayed scaling "
+                     f"here")
+  # Each operand is quantized with a zero term tied to the other operand's
+  # scale. Without it, matmuls that share an operand (q/k/v projections of
+  # one input, gate/up of a GLU) quantize it identically; XLA merges the
+  # copies (CSE) and then the matmuls into one GEMM whose bf16 operands it
+  # no longer recognises as FP8, forward and in the weight gradient.
+  lhs_scale = lax.stop_gradient(
+      scale_of(lhs, state.lhs, recipe.fwd_dtype, recipe)[0])
+  rhs_scale = lax.stop_gradient(
+      scale_of(rhs, state.rhs, recipe.fwd_dtype, recipe)[0])
+  y = op(qdq_operand(recipe, lhs, state.lhs, rhs_scale),
+         qdq_operand(recipe, rhs, state.rhs, lhs_scale))
   y = qdq_output_grad(recipe, y, state.grad)
   if preferred_element_type is not None:
     y = y.astype(preferred_element_type)
   return y
+
+
+# --------------------------------------------------------------------------
+# Rowwise scaling: a scale per row of each GEMM operand.
+
+
+def _quantize_rows(x: jax.Array, axes: tuple, dtype: np.dtype,
+                   tie: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(FP8 `x`, float32 scales) with one scale per index of the axes not in
+  `axes` (the scales keep `x`'s rank, size 1 along `axes`); `x` is tied to
+  the finite scalar `tie` as in `qdq_operand`."""
+  x = jnp.asarray(x, jnp.float32)
+  a = jnp.abs(x)
+  a = jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=axes, keepdims=True)
+  scale = compute_scale(a, dtype)
+  x = x + np.float32(0) * tie
+  return quantize(x, dtype, scale), scale
+
+
+def _kept(ndim: int, *dims) -> list[int]:
+  return [i for i in range(ndim) if not any(i in d for d in dims)]
+
+
+def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, **kwargs) -> jax.Array:
+  """``dot_general(a, b, dims)`` (float32) on rowwise-quantized operands.
+
+  Each operand is scaled per index of its uncontracted dimensions; the
+  GEMM multiplies the FP8 tensors and the outer product of the scales,
+  laid out as the result (batch, `a`'s kept, `b`'s kept), rescales it.
+  Each operand's quantisation is tied to the other operand (see
+  `_fp8_matmul`), so GEMMs sharing an operand stay apart.
+  """
+  (ac, bc), (ab, bb) = dims
+  ak, bk = _kept(a.ndim, ac, ab), _kept(b.ndim, bc, bb)
+  tie_a = lax.stop_gradient(compute_scale(amax(b), dtype_b))
+  tie_b = lax.stop_gradient(compute_scale(amax(a), dtype_a))
+  qa, sa = _quantize_rows(a, tuple(ac), dtype_a, tie_a)
+  qb, sb = _quantize_rows(b, tuple(bc), dtype_b, tie_b)
+  y = lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32,
+                      **kwargs)
+  batch = [a.shape[i] for i in ab]
+  sa = jnp.transpose(sa, list(ab) + ak + list(ac)).reshape(
+      batch + [a.shape[i] for i in ak] + [1] * len(bk))
+  sb = jnp.transpose(sb, list(bb) + bk + list(bc)).reshape(
+      batch + [1] * len(ak) + [b.shape[i] for i in bk])
+  return y * sa * sb
+
+
+def _transpose_lhs_dims(dims, lhs_ndim, rhs_ndim, swap_ans=False):
+  """(dimension numbers, axes) of the lhs cotangent of ``dot_general(lhs,
+  rhs, dims)``: ``transpose(dot_general(g, rhs, dimension numbers), axes)``
+  (the transpose rule of `lax.dot_general`)."""
+  (xc, yc), (xb, yb) = dims
+  xk, yk = _kept(lhs_ndim, xc, xb), _kept(rhs_ndim, yc, yb)
+  nb = len(xb)
+  if swap_ans:
+    ans_y = list(range(nb, nb + len(yk)))
+  else:
+    ans_y = list(range(nb + len(xk), nb + len(xk) + len(yk)))
+  new_dims = ((tuple(ans_y), tuple(yk)), (tuple(range(nb)), tuple(yb)))
+  xc_by_y = list(np.take(list(xc), np.argsort(list(yc))))
+  axes = tuple(int(i) for i in np.argsort(list(xb) + xk + xc_by_y))
+  return new_dims, axes
+
+
+def _norm_dims(dims) -> tuple:
+  (lc, rc), (lb, rb) = dims
+  return ((tuple(map(int, lc)), tuple(map(int, rc))),
+          (tuple(map(int, lb)), tuple(map(int, rb))))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _rowwise_dot_general(recipe, dims, precision, lhs, rhs, state):
+  return _rowwise_fwd(recipe, dims, precision, lhs, rhs, state)[0]
+
+
+def _rowwise_fwd(recipe, dims, precision, lhs, rhs, state):
+  y = _row_scaled_dot(lhs, rhs, dims, recipe.fwd_dtype, recipe.fwd_dtype,
+                      precision=precision)
+  new = (update_history(state.lhs, amax(lhs)),
+         update_history(state.rhs, amax(rhs)))
+  return y.astype(recipe.compute_dtype), (lhs, rhs, new, state.grad)
+
+
+def _rowwise_bwd(recipe, dims, precision, res, g):
+  lhs, rhs, (new_lhs, new_rhs), grad_history = res
+  fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+  # Input gradient: g x rhs, contracting rhs's kept dimensions.
+  ldims, laxes = _transpose_lhs_dims(dims, lhs.ndim, rhs.ndim)
+  dlhs = jnp.transpose(
+      _row_scaled_dot(g, rhs, ldims, bwd, fwd, precision=precision), laxes)
+  # Weight gradient: g x lhs, contracting lhs's kept dimensions.
+  (lc, rc), (lb, rb) = dims
+  rdims, raxes = _transpose_lhs_dims(((rc, lc), (rb, lb)), rhs.ndim,
+                                     lhs.ndim, swap_ans=True)
+  drhs = jnp.transpose(
+      _row_scaled_dot(g, lhs, rdims, bwd, fwd, precision=precision), raxes)
+  new_grad = update_history(grad_history, amax(g))
+  return (dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype),
+          FP8State(new_lhs, new_rhs, new_grad))
+
+
+_rowwise_dot_general.defvjp(_rowwise_fwd, _rowwise_bwd)
 
 
 def _sharding_kwargs(out_sharding) -> dict:
@@ -405,6 +539,17 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       do not have ``recipe.history_len`` entries.
     TypeError: non-floating operands.
   """
+  if isinstance(recipe, FP8Recipe) and recipe.scaling == "rowwise":
+    what = "jmp_amp.fp8.dot_general"
+    lhs, rhs = _check_operands(what, lhs, rhs)
+    state = _check_state(what, state, recipe)
+    y = _rowwise_dot_general(recipe, _norm_dims(dimension_numbers),
+                             precision, lhs, rhs, state)
+    if out_sharding is not None:
+      y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y if preferred_element_type is None else y.astype(
+        preferred_element_type)
+
   def op(a, b):
     return lax.dot_general(a, b, dimension_numbers, precision=precision,
                            **_sharding_kwargs(out_sharding))

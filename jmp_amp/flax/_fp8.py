@@ -9,11 +9,13 @@ histories back. What users see is in `jmp_amp.flax.fp8`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 import warnings
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -42,6 +44,10 @@ class FP8Op(nnx.Module):
       histories of the input, the kernel and the output gradient.
     original, original_dtype: the knob values it replaced (static),
       restored when FP8 is removed.
+    name: the '/'-joined path of the module it belongs to (static). The
+      matmul runs under ``jax.named_scope(f"fp8[{name}]")``, so the ops of
+      the compiled program name their layer (see
+      `jmp_amp.tools.MatmulReport.fp8_layers`).
 
   A module called more than once per step (shared weights) would receive the
   sum of its new histories; give each call its own module, or exclude it.
@@ -50,10 +56,12 @@ class FP8Op(nnx.Module):
   knob: str = ""  # The module attribute this op is the value of.
 
   def __init__(self, recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe(), *,
-               original: Any = None, original_dtype: Any = None):
+               original: Any = None, original_dtype: Any = None,
+               name: str = ""):
     self.recipe = recipe
     self.original = original
     self.original_dtype = original_dtype
+    self.name = name
     state = fp8_lib.init_state(recipe)
     self.lhs_amax_history = FP8Meta(state.lhs)
     self.rhs_amax_history = FP8Meta(state.rhs)
@@ -64,6 +72,10 @@ class FP8Op(nnx.Module):
     return fp8_lib.FP8State(self.lhs_amax_history[...],
                             self.rhs_amax_history[...],
                             self.grad_amax_history[...])
+
+  def scope(self) -> contextlib.AbstractContextManager:
+    """The named scope its matmul runs under: ``fp8[<module path>]``."""
+    return jax.named_scope(f"fp8[{self.name}]")
 
 
 class FP8DotGeneral(FP8Op):
@@ -76,10 +88,11 @@ class FP8DotGeneral(FP8Op):
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, out_sharding=None):
-    return fp8_lib.dot_general(
-        lhs, rhs, dimension_numbers, precision=precision,
-        preferred_element_type=preferred_element_type, state=self.state(),
-        recipe=self.recipe, out_sharding=out_sharding)
+    with self.scope():
+      return fp8_lib.dot_general(
+          lhs, rhs, dimension_numbers, precision=precision,
+          preferred_element_type=preferred_element_type, state=self.state(),
+          recipe=self.recipe, out_sharding=out_sharding)
 
 
 class FP8Einsum(FP8Op):
@@ -92,10 +105,11 @@ class FP8Einsum(FP8Op):
 
   def __call__(self, subscripts, lhs, rhs, precision=None,
                preferred_element_type=None, out_sharding=None):
-    return fp8_lib.einsum(
-        subscripts, lhs, rhs, precision=precision,
-        preferred_element_type=preferred_element_type, state=self.state(),
-        recipe=self.recipe, out_sharding=out_sharding)
+    with self.scope():
+      return fp8_lib.einsum(
+          subscripts, lhs, rhs, precision=precision,
+          preferred_element_type=preferred_element_type, state=self.state(),
+          recipe=self.recipe, out_sharding=out_sharding)
 
 
 class FP8ConvGeneralDilated(FP8Op):
@@ -111,13 +125,14 @@ class FP8ConvGeneralDilated(FP8Op):
                rhs_dilation=None, dimension_numbers=None,
                feature_group_count=1, batch_group_count=1, precision=None,
                preferred_element_type=None, out_sharding=None):
-    return fp8_lib.conv_general_dilated(
-        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
-        rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-        feature_group_count=feature_group_count,
-        batch_group_count=batch_group_count, precision=precision,
-        preferred_element_type=preferred_element_type, state=self.state(),
-        recipe=self.recipe, out_sharding=out_sharding)
+    with self.scope():
+      return fp8_lib.conv_general_dilated(
+          lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+          rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+          feature_group_count=feature_group_count,
+          batch_group_count=batch_group_count, precision=precision,
+          preferred_element_type=preferred_element_type, state=self.state(),
+          recipe=self.recipe, out_sharding=out_sharding)
 
 
 _OP_CLASSES = {cls.knob: cls for cls in (FP8DotGeneral, FP8Einsum,
@@ -132,9 +147,10 @@ class FP8Policy:
   `recipe`; every module it decides (those too) follows the policy
   ``p=param_dtype, c=recipe.compute_dtype, o=recipe.compute_dtype`` for its
   other knobs, so norms and embeddings that inherit it compute in bfloat16.
-  With `keep_first_last`, the model's first and last matmul modules (in call
-  order when `set_policies` gets ``example_args``, else path order) get only
-  that bfloat16 policy. The string ``"float8"`` in a rule means
+  With `keep_first_last`, the model's first and last matmul modules in call
+  order get only that bfloat16 policy: `set_policies` needs
+  ``example_args`` to find the order, unless list indices decide it
+  (``layers/0`` ... ``layers/N``), and raises without them. The string ``"float8"`` in a rule means
   ``FP8Policy()``, an `FP8Recipe` means ``FP8Policy(recipe)``; write an
   `FP8Policy` for the other fields. `jmp_amp.flax.get_policies` gives it
   for the modules whose matmul runs in FP8.
@@ -360,15 +376,20 @@ def check_capable(path: tuple, module: nnx.Module) -> None:
         f"it, narrow the selection, or give it a non-FP8 policy.")
 
 
-def convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe) -> None:
-  """Sets `module`'s matmul knob to a fresh FP8 op and its dtype knob."""
+def convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe,
+            path: tuple = ()) -> None:
+  """Sets `module`'s matmul knob to a fresh FP8 op and its dtype knob.
+
+  `path`, the module's path in the model, names the op's scope.
+  """
   name = knob(module)
   current = vars(module)[name]
   if isinstance(current, FP8Op):
     original, dtype = current.original, current.original_dtype
   else:
     original, dtype = current, getattr(module, "dtype", None)
-  op = _OP_CLASSES[name](recipe, original=original, original_dtype=dtype)
+  op = _OP_CLASSES[name](recipe, original=original, original_dtype=dtype,
+                         name=path_str(path))
   setattr(module, name, nnx.data(op))
   if "dtype" in vars(module):
     setattr(module, "dtype", recipe.compute_dtype)
@@ -385,17 +406,50 @@ def restore(module: nnx.Module) -> None:
     setattr(module, "dtype", op.original_dtype)
 
 
-def end_paths(model: nnx.Module, example_args: Optional[tuple]
-              ) -> set[tuple]:
-  """Paths of the first and last modules with a matmul knob.
+def end_paths(model: nnx.Module, example_args: Optional[tuple],
+              decided: Optional[set[tuple]] = None) -> set[tuple]:
+  """Paths of the first and last modules with a matmul knob, in call order.
 
-  In the order one abstract ``model(*example_args)`` calls them if
-  `example_args` is given, otherwise in path order.
+  The order is the one an abstract ``model(*example_args)`` calls them in.
+  Without `example_args`, list indices are all that is known of it
+  (``layers/0`` is called before ``layers/1``; attribute names say
+  nothing): that is enough if it singles out the first and the last module,
+  or if none of the modules that could be first or last is in `decided`
+  (then they are all returned, excluding nothing that was asked for).
+
+  Raises:
+    ValueError: no `example_args`, and the modules of `decided` that keep
+      their dtype depend on an order list indices do not decide.
   """
   candidates = [(p, m) for p, m in ordered_modules(model) if knob(m)]
   if example_args is not None:
     candidates = _call_order(model, candidates, tuple(example_args))
-  return {p for p, _ in candidates[:1] + candidates[-1:]}
+    return {p for p, _ in candidates[:1] + candidates[-1:]}
+  paths = [p for p, _ in candidates]
+  firsts = [p for p in paths if not any(_before(q, p) for q in paths)]
+  lasts = [p for p in paths if not any(_before(p, q) for q in paths)]
+  ends = set(firsts) | set(lasts)
+  if len(firsts) <= 1 and len(lasts) <= 1:
+    return ends
+  if decided is not None and not ends & set(decided):
+    return ends
+  raise ValueError(
+      f"FP8 rules keep a model's first and last matmul modules in bfloat16 "
+      f"(keep_first_last), and which of {[path_str(p) for p in paths]} "
+      f"those are depends on the order {type(model).__name__} calls them, "
+      f"which its attribute names do not tell: pass example_args=(inputs...) "
+      f"(arrays or jax.ShapeDtypeStruct) to jmp_amp.flax.set_policies, for "
+      f"one abstract call that finds the order, or use the rule value "
+      f"jmp_amp.flax.fp8.FP8Policy(keep_first_last=False) and choose the "
+      f"modules with rules.")
+
+
+def _before(a: tuple, b: tuple) -> bool:
+  """Whether list indices put path `a` before path `b` (they first differ
+  at a list index, smaller in `a`)."""
+  n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+  return (n is not None and isinstance(a[n], int) and isinstance(b[n], int)
+          and a[n] < b[n])
 
 
 def path_str(path: tuple) -> str:

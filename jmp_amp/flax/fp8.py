@@ -17,8 +17,14 @@ knob gets an `FP8Op` (``FP8DotGeneral``, ``FP8Einsum`` or
 operands forward and `float8_e5m2` gradients backward (see `jmp_amp.fp8`),
 and the module computes and returns the recipe's compute dtype (bfloat16).
 Master weights keep their dtype (float32). The model's first and last such
-modules keep their matmul in bfloat16, as FP8 recipes recommend (in call
-order when `set_policies` gets ``example_args``, otherwise in path order).
+modules in call order keep their matmul in bfloat16, as FP8 recipes
+recommend: `set_policies` finds the order from ``example_args`` (one abstract
+call), and raises without them unless list indices decide it (``layers/0``
+... ``layers/N``); attribute names never do. Each FP8 matmul quantizes its
+operands as its own, so matmuls that share an input (q/k/v, gate/up) stay
+separate FP8 GEMMs on an H100, and runs under ``jax.named_scope("fp8[<module
+path>]")``, which `jmp_amp.tools.GpuReport.fp8_fallbacks` reads to check
+that every FP8 layer compiled to FP8 GEMMs.
 Norms, softmax, embeddings, the loss and modules without a matmul knob
 (nnx.Embed, nnx.ConvTranspose) are never FP8: an FP8 rule that names one
 raises, and FP8 rules that convert no module at all warn, saying why.

@@ -146,8 +146,8 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
     example_args: inputs (arrays or `jax.ShapeDtypeStruct`) for one
       abstract call ``model(*example_args)`` that finds the call order of
       the matmul modules, for FP8 rules that keep the first and last in
-      bfloat16; without it they are taken in path order (list indices
-      numerically), which need not be the call order.
+      bfloat16. Without it, only list indices can decide that order
+      (``layers/0`` ... ``layers/N``); otherwise such rules raise.
 
   Returns:
     `model`, for chaining.
@@ -158,8 +158,9 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
     ValueError: a rule value is not a policy, a pattern is malformed, a
       module matches two rules of equal rank, an FP8 rule names a module
       without a matmul knob that computes with Params of its own
-      (nnx.Embed, a norm, nnx.ConvTranspose), or (if `strict`) a rule
-      matched nothing or a module cannot follow its policy.
+      (nnx.Embed, a norm, nnx.ConvTranspose), FP8 rules keep the first and
+      last matmul modules but no `example_args` tell which they are, or (if
+      `strict`) a rule matched nothing or a module cannot follow its policy.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"set_policies expects an nnx.Module, got "
@@ -188,7 +189,7 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
                        cast_output=rules_lib.casts_output(_path_str(path),
                                                           res),
                        explicit=res.source == "rule",
-                       fp8=path in fp8_paths)
+                       fp8=path in fp8_paths, path=path)
       if problem:
         problems.append(f"{_path_str(path) or '<root>'!r} "
                         f"({type(module).__name__}) {problem}")
@@ -358,7 +359,8 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
       fp8_lib.check_capable(path, module)
   capable = [(p, pol) for p, m, pol in decided if fp8_lib.knob(m)]
   if any(pol.keep_first_last for _, pol in capable):
-    ends = fp8_lib.end_paths(model, example_args)
+    ends = fp8_lib.end_paths(model, example_args, {
+        p for p, pol in capable if pol.keep_first_last})
   else:
     ends = set()
   chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
@@ -421,7 +423,8 @@ def _has_boundary(cls: type) -> bool:
 
 
 def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
-           explicit: bool, fp8: bool = False) -> Optional[str]:
+           explicit: bool, fp8: bool = False,
+           path: tuple = ()) -> Optional[str]:
   """Sets `module`'s knobs; says why it cannot follow `policy`, if so.
 
   An `FP8Policy` sets the knobs of its bfloat16 `Policy` and, if `fp8`,
@@ -453,7 +456,7 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
           and attrs.get(name + "_cls") is None):
         set_knob(name, replacement)
   if fp8:
-    fp8_lib.convert(module, fp8_policy.recipe)
+    fp8_lib.convert(module, fp8_policy.recipe, path)
   setattr(module, _ATTR, _Applied(fp8_policy if fp8 else policy, cast_output,
                                   tuple(originals.items()), fp8))
   if (has_dtype or _has_boundary(type(module))

@@ -57,8 +57,9 @@ Example:
   >>> rules = {"blocks/*/mlp": "float8",           # FP8 MLPs
   ...          "blocks/0/mlp": "mixed_bfloat16",   # but not the first one
   ...          nnx.LayerNorm: "float32", "*": "mixed_bfloat16"}
+  >>> tokens = jnp.zeros((2, 8), jnp.int32)  # finds the first/last matmul
   >>> policies = jmp_amp.flax.get_policies(
-  ...     jmp_amp.flax.set_policies(gpt, rules))
+  ...     jmp_amp.flax.set_policies(gpt, rules, example_args=(tokens,)))
   >>> [str(policies[p]) for p in ("blocks/0/mlp/fc", "blocks/1/mlp/fc",
   ...                             "blocks/1/ln1")]
   ['p=f32,c=bf16,o=bf16', 'float8', 'p=f32,c=f32,o=f32']

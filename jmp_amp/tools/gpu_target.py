@@ -141,6 +141,8 @@ class GpuReport:
     bytes_estimate: bytes the kernels move if each reads its operands and
       writes its result once (a loop body once): an estimate of HBM traffic.
     jax_version: the JAX that compiled it.
+    lowered: the dots and convolutions of the program as JAX lowered it
+      (`MatmulReport` at the lowered stage: what it asks for), when known.
   """
 
   target: str
@@ -150,6 +152,8 @@ class GpuReport:
   memory: dict[str, Optional[int]]
   bytes_estimate: int
   jax_version: str = jax.__version__
+  lowered: Optional[MatmulReport] = dataclasses.field(default=None,
+                                                      compare=False)
 
   @property
   def label(self) -> str:
@@ -158,6 +162,21 @@ class GpuReport:
   def gemms_by_dtype(self) -> dict[str, int]:
     """Number of GEMMs and convolutions per ``"lhs x rhs -> result"``."""
     return self.matmuls.counts_by_signature()
+
+  def fp8_layers(self) -> dict[str, dict[str, int]]:
+    """The GEMMs each FP8 layer compiled to, by signature (see
+    `MatmulReport.fp8_layers`)."""
+    return self.matmuls.fp8_layers()
+
+  def fp8_fallbacks(self) -> dict[str, str]:
+    """The FP8 layers whose matmuls did not all become FP8 GEMMs, and why.
+
+    Compares the compiled program with the lowered one (see
+    `MatmulReport.fp8_fallbacks`): a layer with a GEMM whose operands are
+    not FP8, or with fewer GEMMs than the matmuls it asked for (XLA merged
+    them into another GEMM), is flagged. Empty when none is.
+    """
+    return self.matmuls.fp8_fallbacks(expected=self.lowered)
 
   def summary(self) -> dict[str, Any]:
     """The figures as a JSON-friendly dict, labelled."""
@@ -193,7 +212,8 @@ def _size(n: Optional[int]) -> str:
 
 
 def report_from_hlo(text: str, memory: Optional[dict[str, Optional[int]]] = None,
-                    target: str = "h100") -> GpuReport:
+                    target: str = "h100",
+                    lowered: Optional[MatmulReport] = None) -> GpuReport:
   """A `GpuReport` from the optimized HLO text of a GPU program."""
   module = hlo_text.HloModule(text)
   by_kind: collections.Counter = collections.Counter()
@@ -212,7 +232,8 @@ def report_from_hlo(text: str, memory: Optional[dict[str, Optional[int]]] = None
     moved += module.operand_bytes(comp, instr) + written
   return GpuReport(target, MatmulReport.from_hlo(text), sum(by_kind.values()),
                    dict(by_kind.most_common()),
-                   memory or dict.fromkeys(_MEMORY_FIELDS), moved)
+                   memory or dict.fromkeys(_MEMORY_FIELDS), moved,
+                   lowered=lowered)
 
 
 _MEMORY_FIELDS = ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes")
@@ -277,6 +298,14 @@ def compile_for_gpu(fn: Any, *args: Any, target: str = "h100",
   Returns:
     A `jax.stages.Compiled` for the target (it cannot run here).
   """
+  return _lower_for_gpu(
+      fn, *args, target=target, gemm=gemm, static_argnums=static_argnums,
+      static_argnames=static_argnames, donate_argnums=donate_argnums,
+      **kwargs).compile(compiler_options=GEMM_BACKENDS[gemm] or None)
+
+
+def _lower_for_gpu(fn, *args, target, gemm, static_argnums, static_argnames,
+                   donate_argnums, **kwargs) -> jax.stages.Lowered:
   if gemm not in GEMM_BACKENDS:
     raise ValueError(f"gemm must be one of {', '.join(map(repr, GEMM_BACKENDS))}; "
                      f"got {gemm!r}")
@@ -293,10 +322,9 @@ def compile_for_gpu(fn: Any, *args: Any, target: str = "h100",
                for i, a in enumerate(args))
   kwargs = {k: v if k in (static_argnames or ()) else jax.tree.map(place, v)
             for k, v in kwargs.items()}
-  lowered = audit.lower(fn, *args, static_argnums=static_argnums,
-                        static_argnames=static_argnames,
-                        jit_kwargs={"donate_argnums": donate_argnums}, **kwargs)
-  return lowered.compile(compiler_options=GEMM_BACKENDS[gemm] or None)
+  return audit.lower(fn, *args, static_argnums=static_argnums,
+                     static_argnames=static_argnames,
+                     jit_kwargs={"donate_argnums": donate_argnums}, **kwargs)
 
 
 def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "cublas",
@@ -334,19 +362,26 @@ def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "cublas",
     ValueError: `target` or `gemm` is not a known name.
   """
   _check_target(target)
-  compiled = compile_for_gpu(
+  lowered = _lower_for_gpu(
       fn, *args, target=target, gemm=gemm, static_argnums=static_argnums,
       static_argnames=static_argnames, donate_argnums=donate_argnums, **kwargs)
-  return report_from_compiled(compiled, target)
+  compiled = lowered.compile(compiler_options=GEMM_BACKENDS[gemm] or None)
+  return report_from_compiled(compiled, target, lowered)
 
 
 def report_from_compiled(compiled: jax.stages.Compiled,
-                         target: str = "h100") -> GpuReport:
+                         target: str = "h100",
+                         lowered: Optional[jax.stages.Lowered] = None
+                         ) -> GpuReport:
   """The `GpuReport` of a program `compile_for_gpu` compiled for `target`
-  (for a caller that also wants the compiled program, e.g. its HLO text)."""
+  (for a caller that also wants the compiled program, e.g. its HLO text);
+  with its `lowered` program, the report can check FP8 layers
+  (`GpuReport.fp8_fallbacks`)."""
   analysis = compiled.memory_analysis()
   memory = dict.fromkeys(_MEMORY_FIELDS)
   if analysis is not None:
     memory = {f: int(getattr(analysis, f.replace("_bytes", "_size_in_bytes")))
               for f in _MEMORY_FIELDS}
-  return report_from_hlo(compiled.as_text(), memory, target)
+  asked = None if lowered is None else MatmulReport.from_stablehlo(
+      lowered.compiler_ir("stablehlo"))
+  return report_from_hlo(compiled.as_text(), memory, target, asked)

@@ -40,6 +40,7 @@ Shape = tuple[Optional[int], ...]
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GEMM_TARGETS = ("__cublas$", "__hipblas", "__rocblas", "__onednn$matmul")
 _CONV_TARGETS = ("__cudnn$conv", "__miopen$conv", "__onednn$convolution")
+_FP8_SCOPE_RE = re.compile(r"\bfp8\[([^\]]*)\]")
 _NUMPY_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32",
                 "f64": "float64", "c64": "complex64", "c128": "complex128"}
 
@@ -92,6 +93,18 @@ class MatmulRecord:
   def signature(self) -> str:
     """``"lhs x rhs -> result"``, e.g. ``"bf16 x bf16 -> f32"``."""
     return f"{self.lhs_dtype} x {self.rhs_dtype} -> {self.result_dtype}"
+
+  @property
+  def fp8_layer(self) -> Optional[str]:
+    """The layer whose FP8 matmul this op belongs to, else None.
+
+    An FP8 matmul of a layer runs under ``jax.named_scope("fp8[<path>]")``
+    (`jmp_amp.flax.set_policies` names each FP8 module's scope by its path;
+    code calling `jmp_amp.fp8.dot_general` itself can do the same), and XLA
+    keeps the scope in the op names of the program it compiles.
+    """
+    m = _FP8_SCOPE_RE.search(self.name or "")
+    return m.group(1) if m else None
 
   @property
   def input_dtype(self) -> str:
@@ -182,6 +195,68 @@ class MatmulReport(Sequence[MatmulRecord]):
       out[r.input_dtype] += r.flops or 0
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
+  def fp8_layers(self) -> dict[str, dict[str, int]]:
+    """The ops of each FP8 layer (`MatmulRecord.fp8_layer`), by signature.
+
+    Layers in order of their first op; at the compiled stage the ops are
+    the GEMMs and convolutions XLA made of the layer's matmul (forward, and
+    the input and weight gradients in a train step).
+    """
+    layers: dict[str, list[MatmulRecord]] = {}
+    for r in self.records:
+      if r.fp8_layer is not None:
+        layers.setdefault(r.fp8_layer, []).append(r)
+    return {layer: MatmulReport(records, self.stage).counts_by_signature()
+            for layer, records in layers.items()}
+
+  def fp8_fallbacks(self, expected: Optional[MatmulReport] = None
+                    ) -> dict[str, str]:
+    """The FP8 layers that did not compile to FP8 GEMMs only, and why.
+
+    A layer is flagged if one of its ops has an operand that is not FP8,
+    and, given `expected` (the report of the same program at the lowered
+    stage: the matmuls it asks for), if it has fewer ops here than there:
+    XLA merged its GEMM into another one (matmuls sharing an operand) or
+    removed it. An empty dict means every FP8 layer's GEMMs are FP8.
+
+    Example:
+      >>> import jmp_amp.tools
+      >>> def f(x, w):
+      ...   with jax.named_scope("fp8[proj]"):
+      ...     return x @ w
+      >>> x = w = jnp.ones((4, 4), jnp.bfloat16)
+      >>> report = jmp_amp.matmul_report(f, x, w)
+      >>> report.fp8_layers()
+      {'proj': {'bf16 x bf16 -> bf16': 1}}
+      >>> report.fp8_fallbacks()
+      {'proj': '1 of 1 ops not FP8 (1 x bf16 x bf16 -> bf16)'}
+
+    Args:
+      expected: the lowered-stage report of the same program, to find
+        layers whose GEMMs were merged away.
+
+    Returns:
+      ``{layer path: reason}``.
+    """
+    found = self.fp8_layers()
+    want = {} if expected is None else expected.fp8_layers()
+    out = {}
+    for layer in list(want) + [k for k in found if k not in want]:
+      sigs = found.get(layer, {})
+      total = sum(sigs.values())
+      bad = {s: n for s, n in sigs.items() if not _is_fp8_signature(s)}
+      reasons = []
+      if bad:
+        reasons.append(f"{sum(bad.values())} of {total} ops not FP8 (" +
+                       ", ".join(f"{n} x {s}" for s, n in bad.items()) + ")")
+      asked = sum(want.get(layer, {}).values())
+      if total < asked:
+        reasons.append(f"{asked} matmuls asked for, {total} compiled (merged "
+                       "into another GEMM or removed)")
+      if reasons:
+        out[layer] = "; ".join(reasons)
+    return out
+
   def summary(self) -> dict[str, Any]:
     """Counts and FLOPs at a glance.
 
@@ -222,6 +297,11 @@ class MatmulReport(Sequence[MatmulRecord]):
         f"{k}: {v:,} ({100 * v / total:.1f}%)"
         for k, v in self.flops_by_input_dtype().items()))
     return "\n".join(lines)
+
+
+def _is_fp8_signature(signature: str) -> bool:
+  lhs, rhs = signature.split(" -> ")[0].split(" x ")
+  return lhs.startswith("float8") and rhs.startswith("float8")
 
 
 def _fmt_shape(shape: Shape) -> str:

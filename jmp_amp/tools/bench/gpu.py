@@ -53,9 +53,13 @@ def row_from_report(name: str, report: gpu_target.GpuReport) -> dict[str, Any]:
   # "float8_e4m3fn", or "float8_e5m2 x float8_e4m3fn" (backward GEMMs).
   fp8 = sum(v for k, v in flops.items()
             if all(part.startswith("float8") for part in k.split(" x ")))
-  return dict(mode=name, status="ok", half_gemm_flops=half / total if total
-              else None, fp8_gemm_flops=fp8 / total if total else None,
-              **summary)
+  row = dict(mode=name, status="ok", half_gemm_flops=half / total if total
+             else None, fp8_gemm_flops=fp8 / total if total else None,
+             **summary)
+  layers = report.fp8_layers()
+  if layers:  # FP8 layers of a Flax model: did each compile to FP8 GEMMs?
+    row.update(fp8_layers=len(layers), fp8_fallbacks=report.fp8_fallbacks())
+  return row
 
 
 def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
@@ -182,6 +186,13 @@ def verdict(rows: list[dict[str, Any]]) -> str:
     parts.append(f"every GEMM in half precision or FP8 in {', '.join(full)}")
   if partly:
     parts.append(f"float32 GEMMs left in {', '.join(partly)}")
+  for r in others:
+    if r.get("fp8_layers"):
+      bad = r["fp8_fallbacks"]
+      parts.append(
+          f"{r['mode']}: {len(bad)} of {r['fp8_layers']} FP8 layers not all "
+          f"in FP8 GEMMs ({', '.join(bad)})" if bad else
+          f"{r['mode']}: every FP8 layer ({r['fp8_layers']}) runs FP8 GEMMs")
   failed = [r["mode"] for r in rows if r["status"] != "ok"]
   if failed:
     parts.append(f"{len(failed)} failed ({', '.join(failed)})")

@@ -87,10 +87,12 @@ def _loss_scale_for(mode: dict[str, Any], init_scale: float):
 
 
 def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
-             tx: optax.GradientTransformation, init_scale: float = 2.0**15):
+             tx: optax.GradientTransformation, init_scale: float = 2.0**15,
+             example_args: Optional[tuple] = None):
   """(jitted step, state): ``step(state, batch) -> (state, metrics)``.
 
-  Policies come from `jmp_amp.flax.set_policies` (or op-level autocast), loss
+  Policies come from `jmp_amp.flax.set_policies` (or op-level autocast;
+  `example_args`, the model's inputs, tell FP8 rules the call order), loss
   scaling wraps `tx`. The model and optimizer are split once into a graphdef
   and a state pytree, so each step is a plain `jax.jit` call with the state
   donated: no per-step Python graph traversal, which would dominate
@@ -102,7 +104,8 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
 
   if mode.get("policy") == "float8":
     # FP8 matmuls but the first and last, norms float32, the rest bf16.
-    jflax.set_policies(model, jflax.mixed_rules() | {"*": "float8"})
+    jflax.set_policies(model, jflax.mixed_rules() | {"*": "float8"},
+                       example_args=example_args)
   elif mode.get("policy") not in (None, "float32"):
     half = jmp_amp.get_policy(mode["policy"]).compute_dtype
     jflax.set_policies(model, jflax.mixed_rules(half))
@@ -125,7 +128,7 @@ def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
                   batch_size) -> Workload:
   """The bench's SGD step (`nnx_step`) for `model`, with its batches."""
   step, state = nnx_step(model, loss_of_output, mode, optax.sgd(cfg.lr),
-                         cfg.init_scale)
+                         cfg.init_scale, example_args=batches[0][:1])
   return Workload(step, state, batches, batch_size, flops)
 
 

@@ -1,0 +1,243 @@
+"""FP8 layers that share an input still run FP8 GEMMs on an H100 (#24).
+
+The q/k/v projections of self-attention and the gate/up projections of a GLU
+read one activation. Quantised the same way, XLA merged the copies (CSE) and
+then the GEMMs into one bfloat16 GEMM, forward and in the weight gradient.
+Each FP8 matmul now quantises its operands as its own; these tests compile
+train steps for an H100 without a GPU (skipped without the CUDA plugin) and
+check, layer by layer, through the audit (`GpuReport.fp8_fallbacks`), that
+every FP8 layer's GEMMs are FP8 -- and that the audit flags a layer whose
+GEMM is merged away or not FP8. The CPU tests check that the layers are named
+in the program and that the numerics are the plain FP8 rounding's.
+"""
+
+import functools
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_amp
+import jmp_amp.flax
+from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp.flax import fp8 as flax_fp8
+from jmp_amp.tools import gpu_target
+
+D = 64
+FWD = "float8_e4m3fn x float8_e4m3fn -> bf16"
+DGRAD = "float8_e5m2 x float8_e4m3fn -> bf16"  # input gradient
+WGRAD = "float8_e4m3fn x float8_e5m2 -> bf16"  # weight gradient
+FP8_LAYERS = ["attn/query", "attn/key", "attn/value", "attn/out", "gate",
+              "up", "down", "mix"]
+RECIPES = {"current": jmp_amp.fp8.FP8Recipe(),
+           "delayed": jmp_amp.fp8.delayed_scaling(history_len=4),
+           "rowwise": jmp_amp.fp8.FP8Recipe(scaling="rowwise")}
+
+
+class Block(nnx.Module):
+  """Self-attention (q/k/v read one input) and a GLU MLP (gate/up do too)."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Linear(D, D, rngs=rngs)  # first matmul: stays bf16
+    self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=D,
+                                       decode=False, rngs=rngs)
+    self.gate = nnx.Linear(D, 2 * D, rngs=rngs)
+    self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+    self.down = nnx.Linear(2 * D, D, rngs=rngs)
+    self.mix = nnx.Einsum("btd,de->bte", (D, D), rngs=rngs)
+    self.head = nnx.Linear(D, 8, rngs=rngs)  # last matmul: stays bf16
+
+  def __call__(self, x):
+    x = self.embed(x)
+    x = x + self.attn(x)
+    x = x + self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    return self.head(self.mix(x))
+
+
+def _x():
+  return jax.ShapeDtypeStruct((4, 16, D), jnp.float32)
+
+
+def _model(recipe):
+  model = Block(nnx.Rngs(0))
+  rules = {"*": recipe}
+  if recipe.scaling == "rowwise":  # dot_general only: not nnx.Einsum
+    rules["mix"] = "bfloat16"
+  return jmp_amp.flax.set_policies(model, rules, example_args=(_x(),))
+
+
+def _fp8_layers(scaling):
+  return [p for p in FP8_LAYERS if scaling != "rowwise" or p != "mix"]
+
+
+def _train_step(model):
+  graphdef, state = nnx.split(model)
+
+  def step(state, x):
+    m = nnx.merge(graphdef, state)
+    loss, grads = flax_fp8.value_and_grad(
+        lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(m)
+    return loss, grads, nnx.state(m)
+
+  return step, state
+
+
+def _target_or_skip():
+  if not gpu_target.has_cuda_plugin():
+    pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")
+  try:
+    gpu_target.target_device("h100")
+  except RuntimeError as e:
+    pytest.skip(f"CUDA plugin gave no compile-only target: {e}")
+
+
+# --------------------------------------------------------------------------
+# CPU: the layers are named, the numerics are FP8's.
+
+
+def test_fp8_layers_are_named_in_the_lowered_program():
+  model = _model(RECIPES["current"])
+  assert sorted(flax_fp8.histories(model)) == sorted(FP8_LAYERS)
+  step, state = _train_step(model)
+  report = jmp_amp.matmul_report(step, state, _x())
+  layers = report.fp8_layers()
+  assert sorted(layers) == sorted(FP8_LAYERS)
+  # Forward, input gradient and weight gradient of each layer, each a dot
+  # on bf16 (dequantised) operands until XLA fuses the FP8 rounding in.
+  for layer in FP8_LAYERS:
+    assert sum(layers[layer].values()) == 3, (layer, layers[layer])
+  # Not FP8: the first layer (forward and weight gradient: the input needs
+  # no gradient), the last (three) and the two attention contractions
+  # (three each).
+  assert sum(r.fp8_layer is None for r in report) == 2 + 3 + 2 * 3
+
+
+def _untied_qdq(x):
+  """The rounding without the per-matmul tie (what fp8 did before #24)."""
+  scale = fp8_lib.compute_scale(fp8_lib.amax(x), fp8_lib.E4M3)
+  return fp8_lib.dequantize(fp8_lib.quantize(x, fp8_lib.E4M3, scale), scale)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_tie_leaves_the_numerics_unchanged(scaling):
+  recipe = RECIPES[scaling]
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(8, 32)) * 3, jnp.float32)
+  w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+  # Non-finite values in the other operand must not leak into this one.
+  w_bad = w.at[0, 0].set(jnp.inf)
+  state = fp8_lib.init_state(recipe)
+  dn = (((1,), (0,)), ((), ()))
+  for rhs in (w, w_bad):
+    got = jmp_amp.fp8.dot_general(x, rhs, dn, state=state, recipe=recipe)
+    want = jax.lax.dot_general(_untied_qdq(x), _untied_qdq(rhs), dn)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(want, np.float32))
+
+
+# --------------------------------------------------------------------------
+# H100, compiled without a GPU.
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise"])
+def test_every_fp8_layer_compiles_to_fp8_gemms(scaling):
+  _target_or_skip()
+  step, state = _train_step(_model(RECIPES[scaling]))
+  report = jmp_amp.gpu_report(step, state, _x())
+  assert report.fp8_fallbacks() == {}
+  layers = report.fp8_layers()
+  expected = _fp8_layers(scaling)
+  assert sorted(layers) == sorted(expected)
+  # Forward E4M3 x E4M3; both gradients take the E5M2 output gradient
+  # (cuBLAS may get the weight gradient's operands in either order). Rowwise
+  # GEMMs return float32, which the row scales multiply.
+  fwd = FWD.replace("bf16", "f32") if scaling == "rowwise" else FWD
+  for layer in expected:
+    sigs = layers[layer]
+    assert sigs.get(fwd) == 1 and sum(sigs.values()) == 3, (layer, sigs)
+    assert all(s == fwd or "float8_e5m2" in s for s in sigs), (layer, sigs)
+  counts = report.gemms_by_dtype()
+  assert counts[fwd] == len(expected)
+  assert sum(n for s, n in counts.items() if "float8_e5m2" in s) == (
+      2 * len(expected))
+
+
+def test_autocast_fp8_matmuls_sharing_an_input_stay_fp8():
+  _target_or_skip()
+
+  def loss(ws, x):
+    q, k, v = (x @ w for w in ws)
+    return jnp.sum(jnp.tanh(jax.nn.silu(q) * k + v))
+
+  w = jax.ShapeDtypeStruct((D, D), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, D), jnp.float32)
+  grad = jax.grad(jmp_amp.autocast(loss, "float8"))
+  report = jmp_amp.gpu_report(grad, (w, w, w), x)
+  # Forward and weight gradient of each of the three (x needs no gradient).
+  assert report.gemms_by_dtype() == {FWD: 3, WGRAD: 3}
+
+
+def test_linen_under_autocast_fp8_keeps_shared_input_gemms_fp8():
+  # Linen rules have no FP8 modules; linen models get FP8 from autocast.
+  _target_or_skip()
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class GLU(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      h = jax.nn.silu(nn.Dense(2 * D, name="gate")(x)) * nn.Dense(
+          2 * D, name="up")(x)
+      return nn.Dense(D, name="down")(h)
+
+  x = jax.ShapeDtypeStruct((32, D), jnp.float32)
+  params = jax.eval_shape(GLU().init, jax.random.key(0), x)
+  loss = lambda p, x: jnp.sum(jnp.tanh(GLU().apply(p, x)))
+  report = jmp_amp.gpu_report(
+      jax.grad(jmp_amp.autocast(loss, "float8")), params, x)
+  # gate, up, down forward and weight gradients; down's input gradient.
+  assert report.gemms_by_dtype() == {FWD: 3, WGRAD: 3, DGRAD: 1}
+
+
+def _untied_layers(x, ws):
+  outs = []
+  for name, w in ws.items():
+    with jax.named_scope(f"fp8[{name}]"):
+      outs.append(_untied_qdq(x) @ _untied_qdq(w))
+  return sum(jnp.tanh(o.astype(jnp.float32)) for o in outs)
+
+
+def test_audit_flags_fp8_gemms_merged_into_a_bf16_gemm():
+  _target_or_skip()
+  w = jax.ShapeDtypeStruct((D, D), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, D), jnp.float32)
+  report = jmp_amp.gpu_report(_untied_layers, x, {"q": w, "k": w, "v": w})
+  # XLA merges the three into one bf16 GEMM named after one of them.
+  assert report.gemms_by_dtype() == {"bf16 x bf16 -> bf16": 1}
+  flagged = report.fp8_fallbacks()
+  assert sorted(flagged) == ["k", "q", "v"]
+  merged = "1 matmuls asked for, 0 compiled (merged into another GEMM or removed)"
+  assert sorted(flagged.values()) == sorted(
+      ["1 of 1 ops not FP8 (1 x bf16 x bf16 -> bf16)", merged, merged])
+  # Without the lowered program, only the bf16 GEMM itself is seen.
+  assert len(report.matmuls.fp8_fallbacks()) == 1
+
+
+def test_audit_flags_a_layer_left_in_bf16():
+  _target_or_skip()
+
+  def f(x, w, v):
+    with jax.named_scope("fp8[proj]"):
+      y = jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())))
+    with jax.named_scope("fp8[other]"):
+      return jnp.tanh(y) @ v.astype(jnp.bfloat16)
+
+  w = jax.ShapeDtypeStruct((D, D), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, D), jnp.float32)
+  report = jmp_amp.gpu_report(f, x, w, w)
+  assert report.fp8_layers() == {"proj": {FWD: 1},
+                                 "other": {"bf16 x bf16 -> bf16": 1}}
+  assert report.fp8_fallbacks() == {
+      "other": "1 of 1 ops not FP8 (1 x bf16 x bf16 -> bf16)"}
