@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import os
 import re
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -29,10 +28,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import jax
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
-import ml_dtypes
-import numpy as np
 
-from jmp_amp._src import dtypes
+from jmp_amp.tools import element_types
 from jmp_amp.tools import hlo_text
 
 Shape = tuple[Optional[int], ...]
@@ -41,8 +38,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GEMM_TARGETS = ("__cublas$", "__hipblas", "__rocblas", "__onednn$matmul")
 _CONV_TARGETS = ("__cudnn$conv", "__miopen$conv", "__onednn$convolution")
 _FP8_SCOPE_RE = re.compile(r"\bfp8\[([^\]]*)\]")
-_NUMPY_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32",
-                "f64": "float64", "c64": "complex64", "c128": "complex128"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +176,7 @@ class MatmulReport(Sequence[MatmulRecord]):
     Accepts names ("bf16", "bfloat16", "int8") or dtypes. An empty report
     passes vacuously, so check `len(report)` too when that matters.
     """
-    wanted = {normalize_dtype(d) for d in dtype}
+    wanted = {element_types.normalize_dtype(d) for d in dtype}
     return self.input_dtypes() <= wanted
 
   def counts_by_signature(self) -> dict[str, int]:
@@ -310,28 +305,6 @@ def _fmt_shape(shape: Shape) -> str:
   return "x".join("?" if d is None else str(d) for d in shape)
 
 
-def short_dtype_name(numpy_name: str) -> str:
-  """"bfloat16" -> "bf16", "float32" -> "f32"; other names ("int8") as numpy's."""
-  try:
-    dt = np.dtype(getattr(ml_dtypes, numpy_name, numpy_name))
-  except TypeError:
-    return numpy_name
-  try:
-    return dtypes.dtype_name(dt)
-  except KeyError:
-    return dt.name
-
-
-def normalize_dtype(dtype: Any) -> str:
-  """The short name of a dtype or dtype name, as records spell it."""
-  if isinstance(dtype, str):
-    try:
-      return dtypes.dtype_name(dtypes.parse_dtype(dtype))
-    except ValueError:
-      return short_dtype_name(dtype)
-  return short_dtype_name(np.dtype(dtype).name)
-
-
 # --------------------------------------------------------------------------
 # Shared by both stages.
 
@@ -348,40 +321,6 @@ def _pick_frame(frames: Sequence[tuple[str, int]]) -> Optional[str]:
     return None
   file, line = next((f for f in frames if not library(f[0])), frames[0])
   return f"{file}:{line}"
-
-
-def _dtype(name: Optional[str]) -> str:
-  """Records' name of an HLO element type: "bf16", "f32", "int8", "bool"."""
-  if name is None:
-    return "?"
-  if name in ("pred", "s1", "u1"):
-    return "bool"
-  if name[0] in "su" and name[1:].isdigit():
-    return ("uint" if name[0] == "u" else "int") + name[1:]
-  if name[:2] in ("f8", "f6", "f4"):
-    return short_dtype_name(f"float{name[1]}_{name[2:]}")
-  return short_dtype_name(_NUMPY_NAMES.get(name, name))
-
-
-def _prod(dims) -> Optional[int]:
-  dims = list(dims)
-  return None if any(d is None for d in dims) else math.prod(dims)
-
-
-def _dot_flops(lhs, result, contracting) -> Optional[int]:
-  if contracting is None:
-    return None
-  k, n = _prod(lhs[d] for d in contracting), _prod(result)
-  return None if k is None or n is None else 2 * n * k
-
-
-def _conv_flops(out, kernel, kernel_out_dim) -> Optional[int]:
-  # Each output element reads kernel spatial size * input features per group
-  # kernel entries: every kernel dim except the output-feature one.
-  n, k = _prod(out), _prod(kernel)
-  if None in (n, k, kernel_out_dim) or not kernel[kernel_out_dim]:
-    return None
-  return 2 * n * (k // kernel[kernel_out_dim])
 
 
 # --------------------------------------------------------------------------
@@ -436,7 +375,7 @@ def _mlir_dtype(t: ir.Type) -> str:
   integer = re.fullmatch(r"(u|s)?i(\d+)", name)
   if integer:
     name = ("u" if integer.group(1) == "u" else "s") + integer.group(2)
-  return _dtype({"complex<f32>": "c64", "complex<f64>": "c128"}.get(
+  return element_types.hlo_dtype({"complex<f32>": "c64", "complex<f64>": "c128"}.get(
       name, name.lower()))
 
 
@@ -446,7 +385,7 @@ def _mlir_record(op, func: str) -> MatmulRecord:
   if op.name == "stablehlo.convolution":
     kind = "convolution"
     dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
-    flops = _conv_flops(out, rhs, dn.kernel_output_feature_dimension)
+    flops = element_types.conv_flops(out, rhs, dn.kernel_output_feature_dimension)
   else:
     kind = "dot_general"
     if op.name == "stablehlo.dot":  # lhs contracts its last dim
@@ -454,7 +393,7 @@ def _mlir_record(op, func: str) -> MatmulRecord:
     else:
       dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
       contracting = list(dn.lhs_contracting_dimensions)
-    flops = _dot_flops(lhs, out, contracting)
+    flops = element_types.dot_flops(lhs, out, contracting)
   name, frames = _mlir_location(op.location)
   return MatmulRecord(kind, lhs_dt, rhs_dt, out_dt, lhs, rhs, out, flops,
                       function=func, name=name, location=_pick_frame(frames))
@@ -540,7 +479,7 @@ def _hlo_record(module: hlo_text.HloModule, comp: str,
       contracting = config.get("dot_dimension_numbers", {}).get(
           "lhs_contracting_dimensions")
       contracting = None if contracting is None else [int(d) for d in contracting]
-    flops = _dot_flops(lhs, out, contracting)
+    flops = element_types.dot_flops(lhs, out, contracting)
   else:
     labels = (instr.attr("dim_labels") or "").split("_")[-1].split("->")[0]
     # cuDNN backward convs name the forward conv's layouts: find its output
@@ -550,9 +489,9 @@ def _hlo_record(module: hlo_text.HloModule, comp: str,
       fwd_out = lhs
     elif target and "BackwardFilter" in target:
       fwd_out, kernel = rhs, out
-    flops = _conv_flops(fwd_out, kernel,
+    flops = element_types.conv_flops(fwd_out, kernel,
                         labels.index("o") if "o" in labels else None)
   name, frames = module.location(instr)
-  return MatmulRecord(kind, _dtype(lhs_dt), _dtype(rhs_dt), _dtype(out_dt),
+  return MatmulRecord(kind, element_types.hlo_dtype(lhs_dt), element_types.hlo_dtype(rhs_dt), element_types.hlo_dtype(out_dt),
                       lhs, rhs, out, flops, function=comp, name=name,
                       location=_pick_frame(frames), target=target)
