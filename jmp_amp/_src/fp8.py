@@ -122,9 +122,9 @@ def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
   return jnp.where(ok, scale, jnp.ones_like(scale))
 
 
-def amax(x: jax.Array) -> jax.Array:
+def amax(x: jax.Array, axis: Optional[tuple] = None) -> jax.Array:
   """float32 ``max(|x|)`` (the amax of an empty array is 0); inf if `x`
-  holds a NaN.
+  holds a NaN. With `axis`, the max over those axes, keeping `x`'s rank.
 
   A NaN counts as inf before the reduction: a max over a sharded `x` combines
   partial maxima across devices, and XLA:CPU's cross-device max (in one
@@ -133,10 +133,18 @@ def amax(x: jax.Array) -> jax.Array:
   keeps for an overflowing step. Every max over an inf is inf.
   """
   x = jnp.asarray(x)
-  if x.size == 0:
+  if x.size == 0 and axis is None:
     return jnp.zeros((), jnp.float32)
   a = jnp.abs(x)
-  return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a)).astype(jnp.float32)
+  return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=axis,
+                 keepdims=axis is not None).astype(jnp.float32)
+
+
+def _tied(x: jax.Array, tie: jax.Array) -> jax.Array:
+  """`x` in float32 plus ``0 * tie``: zero for a finite `tie`, which XLA
+  cannot fold (0 * inf is NaN), so the quantized operand is this matmul's
+  own (see `_fp8_matmul`)."""
+  return jnp.asarray(x, jnp.float32) + np.float32(0) * tie.astype(jnp.float32)
 
 
 def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
@@ -296,10 +304,7 @@ def qdq_operand(recipe: FP8Recipe, x: jax.Array, history: jax.Array,
 
 def _qdq_operand_fwd(recipe, x, history, tie):
   scale, new_history = scale_of(x, history, recipe.fwd_dtype, recipe)
-  # Zero for a finite `tie`, which XLA cannot fold (0 * inf is NaN): the
-  # quantized operand is this matmul's own, see `_fp8_matmul`.
-  zero = np.float32(0) * tie.astype(jnp.float32)
-  q = quantize(x.astype(jnp.float32) + zero, recipe.fwd_dtype, scale)
+  q = quantize(_tied(x, tie), recipe.fwd_dtype, scale)
   # Zero-size arrays carry x's and tie's dtypes (residuals must be arrays).
   return (dequantize(q, scale, recipe.compute_dtype),
           (new_history, jnp.zeros((0,), x.dtype), jnp.zeros((0,), tie.dtype)))
@@ -407,12 +412,8 @@ def _quantize_rows(x: jax.Array, axes: tuple, dtype: np.dtype,
   """(FP8 `x`, float32 scales) with one scale per index of the axes not in
   `axes` (the scales keep `x`'s rank, size 1 along `axes`); `x` is tied to
   the finite scalar `tie` as in `qdq_operand`."""
-  x = jnp.asarray(x, jnp.float32)
-  a = jnp.abs(x)
-  a = jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=axes, keepdims=True)
-  scale = compute_scale(a, dtype)
-  x = x + np.float32(0) * tie
-  return quantize(x, dtype, scale), scale
+  scale = compute_scale(amax(x, axes), dtype)
+  return quantize(_tied(x, tie), dtype, scale), scale
 
 
 def _kept(ndim: int, *dims) -> list[int]:
