@@ -49,12 +49,22 @@ class LossScalingState(NamedTuple):
 def _unscale(loss_scale: ls_lib.LossScale, grads):
   """Divides each gradient by the scale in (at least) float32, in its dtype.
 
-  Complex gradients are unscaled too (both parts, by the real scale).
+  Complex gradients are unscaled too (both parts, by the real scale). The
+  factor ``1/scale`` is broadcast once per shape and dtype, not once per leaf:
+  a model's repeated layers share shapes, and every broadcast is an HLO
+  instruction for XLA to compile.
   """
-  wide = jax.tree.map(
-      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads)
-  return jax.tree.map(lambda u, g: u.astype(g.dtype),
-                      loss_scale.unscale(wide), grads)
+  if isinstance(loss_scale, ls_lib.NoOpLossScale):
+    return grads
+  inv = functools.cache(lambda dtype: loss_scale.unscale(jnp.ones((), dtype)))
+  inv_like = functools.cache(
+      lambda shape, dtype: jax.lax.broadcast(inv(dtype), shape))
+
+  def unscale(g):
+    wide = jnp.promote_types(g.dtype, jnp.float32)
+    return jax.lax.mul(g.astype(wide), inv_like(g.shape, wide)).astype(g.dtype)
+
+  return jax.tree.map(unscale, grads)
 
 
 def _all_finite(grads) -> jax.Array:
@@ -113,14 +123,15 @@ def _skip(finite, run, out_avals, old_state, how: str):
     new = run()
     return new[:n_updates] + optax.tree.cast_like(new[n_updates:], old_state)
 
+  # The predicate and -0.0 are broadcast once per shape and dtype.
+  neg0 = functools.cache(lambda shape, dtype: jnp.full(shape, -0.0, dtype))
   if how == "select":
     new = take()
-    return ([jnp.where(finite, u, -0.0) for u in new[:n_updates]]
-            + [jnp.where(finite, n, o) for n, o in
-               zip(new[n_updates:], old_state)])
-  zeros = {}  # one -0.0 per dtype, broadcast to each update's shape.
-  skipped = [jax.lax.broadcast(zeros.setdefault(a.dtype, jnp.array(
-      -0.0, a.dtype)), a.shape) for a in out_avals[:n_updates]] + old_state
+    pred = functools.cache(lambda shape: jax.lax.broadcast(finite, shape))
+    select = lambda new, old: jax.lax.select(pred(new.shape), new, old)
+    return ([select(u, neg0(u.shape, u.dtype)) for u in new[:n_updates]]
+            + [select(n, o) for n, o in zip(new[n_updates:], old_state)])
+  skipped = [neg0(a.shape, a.dtype) for a in out_avals[:n_updates]] + old_state
   # Under shard_map both branches must vary over the same mesh axes: those of
   # the new value, the old one and the predicate, as a select's would.
   axes = [_vma(a) | _vma(jax.typeof(b)) | _vma(jax.typeof(finite))
