@@ -40,6 +40,10 @@ Targets:
   CPU-only machine (`jmp_amp.tools.gpu_report`'s compile-only target, the
   ``gpu-audit`` extra) and reports kernels, GEMMs, temp memory and an
   estimate of the bytes the kernels move: compiler facts, not timings.
+* ``--target compile``: the CPU time to trace, lower and compile one update
+  over many small leaves (Adam over 300, SGD over 1000) and of the whole train
+  step of a GPT with 24 unscanned blocks, against bare optax's;
+  ``--target compile-h100`` compiles the same steps for an H100.
 
 Usage:
   python benchmarks/overhead.py --json benchmarks/results/overhead_cpu.json
@@ -47,6 +51,10 @@ Usage:
       --json benchmarks/results/overhead_gpu_h100.json
   JAX_PLATFORMS=cpu python benchmarks/overhead.py --target h100 \\
       --json benchmarks/results/overhead_h100.json
+  python benchmarks/overhead.py --target compile \\
+      --json benchmarks/results/compile_time_cpu.json
+  JAX_PLATFORMS=cpu python benchmarks/overhead.py --target compile-h100 \\
+      --json benchmarks/results/compile_time_h100.json
 """
 
 from __future__ import annotations
@@ -525,10 +533,10 @@ def environment(target):
       env[mod] = None
   if target == "gpu":
     env["device"] = jax.devices()[0].device_kind
-  if target == "h100":
+  if target in ("h100", "compile-h100"):
     env["target"] = "H100 SXM, compiled on a CPU-only machine (no GPU): " \
                     "compiler figures, not timings"
-  else:
+  if target != "h100":
     try:
       with open("/proc/cpuinfo") as f:
         models = [l.split(":", 1)[1].strip() for l in f
@@ -552,23 +560,61 @@ def print_rows(report):
       print(f"  {name:28} ERROR {err}")
 
 
-# Compile-time cases: (optimizer, number of 8x8 float32 leaves).
-COMPILE_CASES = {"adam300": ("adam", 300), "sgd1000": ("sgd", 1000)}
+# Compile-time cases: an update over many 8x8 float32 leaves (optimizer,
+# number of leaves), and the whole train step of the reference GPT with 24
+# unscanned blocks (292 leaves, float16 compute, Adam): what a user waits for.
+COMPILE_CASES = {"adam300": ("adam", 300), "sgd1000": ("sgd", 1000),
+                 "gpt24": ("adam", None)}
 
 
-def compile_seconds(opt, leaves):
-  """CPU seconds (process time) to trace, lower and compile one update."""
+def _cpu_seconds():
+  """Process time of this process and its finished children (ptxas)."""
+  return sum(os.times()[:4])
+
+
+def _update_step(opt, leaves):
+  """One update plus apply_updates over `leaves` 8x8 leaves, and its args."""
   params = {f"p{i}": jnp.ones((8, 8)) for i in range(leaves)}
-  state = opt.init(params)
 
   def step(grads, state, params):
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+  return step, (params, opt.init(params), params)
 
+
+def _gpt_step(opt):
+  """The GPT's whole train step (loss scaled when `opt` is loss_scaling's)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jmp_amp.models import gpt  # pylint: disable=import-outside-toplevel
+  graphdef, params = nnx.split(
+      gpt.GPT(num_layers=24, dtype=jnp.float16, rngs=nnx.Rngs(0)), nnx.Param)
+  tokens = jnp.zeros((8, 64), jnp.int32)
+  state = opt.init(params)
+  loss_fn = lambda p, t: gpt.lm_loss(nnx.merge(graphdef, p)(t), t)
+  scaled = isinstance(state, jmp_amp.LossScalingState)
+
+  def step(params, state, tokens):
+    grad_fn = (jmp_amp.scaled_value_and_grad(loss_fn, state) if scaled
+               else jax.value_and_grad(loss_fn))
+    loss, grads = grad_fn(params, tokens)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+  return step, (params, state, tokens)
+
+
+def compile_seconds(opt, leaves, target="cpu"):
+  """CPU seconds to trace, lower and compile one step (an update over
+  `leaves` leaves, or the GPT's train step if None), for this machine's CPU or
+  (``target="h100"``) for an H100 through the compile-only target."""
+  step, args = _gpt_step(opt) if leaves is None else _update_step(opt, leaves)
   jax.clear_caches()
-  start = time.process_time()
-  jax.jit(step).trace(params, state, params).lower().compile()
-  return time.process_time() - start
+  start = _cpu_seconds()
+  if target == "h100":
+    from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
+    gpu_target.compile_for_gpu(step, *args)
+  else:
+    jax.jit(step).trace(*args).lower().compile()
+  return _cpu_seconds() - start
 
 
 def unscale_only(inner, scale):
@@ -587,7 +633,7 @@ def unscale_only(inner, scale):
   return optax.GradientTransformation(init, update)
 
 
-def run_compile(case, rounds):
+def run_compile(case, rounds, target="cpu"):
   """Compile time of each variant against bare optax, interleaved rounds."""
   opt_name, leaves = COMPILE_CASES[case]
   inner = lambda: make_optax(opt_name, 1e-3)
@@ -596,13 +642,14 @@ def run_compile(case, rounds):
       "jmp_amp dynamic": lambda: jmp_amp.loss_scaling(
           inner(), jmp_amp.DynamicLossScale(INIT_SCALE)),
       "optax apply_if_finite": lambda: optax.apply_if_finite(inner(), 10),
-      "unscale only (floor)": lambda: unscale_only(inner(), INIT_SCALE),
   }
+  if leaves is not None:  # the floor takes the update's gradients as scaled.
+    variants["unscale only (floor)"] = lambda: unscale_only(inner(), INIT_SCALE)
   seconds = {name: [] for name in variants}
   for r in range(rounds):
     names = list(variants)
     for name in names[r % len(names):] + names[:r % len(names)]:
-      seconds[name].append(compile_seconds(variants[name](), leaves))
+      seconds[name].append(compile_seconds(variants[name](), leaves, target))
   results = {}
   for name, times in seconds.items():
     ratios = [t / b for t, b in zip(times, seconds["optax"])]
@@ -610,13 +657,17 @@ def run_compile(case, rounds):
                      "ratio_median": statistics.median(ratios)}
     print(f"{case:8s} {name:24s} {statistics.median(times):6.2f} s  "
           f"{statistics.median(ratios):5.2f}x", flush=True)
-  return {"workload": case, "optimizer": opt_name, "leaves": leaves,
-          "leaf_shape": [8, 8], "rounds": rounds, "results": results}
+  shape = ({"leaves": leaves, "leaf_shape": [8, 8]} if leaves is not None else
+           {"step": "GPT train step: 24 unscanned blocks, 292 leaves, "
+                    "float16 compute, batch 8 x 64 tokens"})
+  return {"workload": case, "optimizer": opt_name, **shape, "rounds": rounds,
+          "results": results}
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--target", choices=["cpu", "gpu", "h100", "compile"],
+  ap.add_argument("--target",
+                  choices=["cpu", "gpu", "h100", "compile", "compile-h100"],
                   default="cpu")
   ap.add_argument("--workloads", default=None,
                   help="comma-separated; default adam20m,seed-cpu (cpu) or "
@@ -632,14 +683,18 @@ def main(argv=None):
   default = "adam20m,seed-cpu" if a.target == "cpu" else "adam20m,seed"
   workloads = (a.workloads or default).split(",")
   report = {"env": environment(a.target), "target": a.target, "workloads": []}
-  if a.target == "compile":
+  if a.target.startswith("compile"):
+    device = "h100" if a.target == "compile-h100" else "cpu"
     report["method"] = (
-        "CPU process time of jax.jit(step).trace().lower().compile() for one "
-        "update plus apply_updates, caches cleared before each; variants "
-        "interleaved in rounds (order rotating); ratio to bare optax taken "
-        "within a round, median over rounds")
+        "CPU time (process and children) of jax.jit(step).trace().lower()"
+        ".compile() for one update plus apply_updates, "
+        + ("compiled for an H100 through the CUDA plugin's compile-only "
+           "target on a machine without a GPU, " if device == "h100" else "")
+        + "caches cleared before each; variants interleaved in rounds (order "
+        "rotating); ratio to bare optax taken within a round, median over "
+        "rounds")
     for w in (a.workloads or ",".join(COMPILE_CASES)).split(","):
-      report["workloads"].append(run_compile(w, a.rounds))
+      report["workloads"].append(run_compile(w, a.rounds, device))
   elif a.target in ("cpu", "gpu"):
     report["method"] = (
         "interleaved rounds in one process; each round runs every variant for "
