@@ -170,7 +170,8 @@ def _bench_h100(tmp_path, capsys, *policies):
   argv = ["bench", "--target", "h100", "--width", "64", "--batch-size", "16",
           "--json", str(out)]
   for policy in policies:
-    argv += ["--policy", policy]
+    argv += [policy] if policy.startswith("-") or argv[-1] == "--gemm" else [
+        "--policy", policy]
   assert cli.main(argv) == 0
   return (" ".join(capsys.readouterr().out.split()),
           [json.loads(line) for line in out.read_text().splitlines()])
@@ -209,3 +210,47 @@ def test_bench_target_h100_fp8_modes_count_the_f8_gemms(tmp_path, capsys):
       "forward": 3, "backward": 5}
   assert autocast["fp8_gemm_flops"] == 1.0
   assert autocast["half_gemm_flops"] == 0.0
+
+
+def _fp8_and_bf16_layers(x, w, v):
+  with jax.named_scope("fp8[proj]"):
+    y = jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())))
+  with jax.named_scope("fp8[other]"):  # asked as FP8, written in bf16
+    return jax.numpy.tanh(y) @ v.astype(jax.numpy.bfloat16)
+
+
+def test_fp8_check_fails_a_mode_whose_layers_compiled_to_bf16_gemms():
+  _target_or_skip()
+  from jmp_amp.tools.bench import timing  # pylint: disable=g-import-not-at-top
+  w = jax.ShapeDtypeStruct((64, 64), jax.numpy.float32)
+  x = jax.ShapeDtypeStruct((32, 64), jax.numpy.float32)
+  report = jmp_amp.gpu_report(_fp8_and_bf16_layers, x, w, w)
+  assert timing.fp8_check("fp8", report.matmuls, report.lowered) == (
+      "other: 1 of 1 ops not FP8 (1 x bf16 x bf16 -> bf16)")
+  assert timing.fp8_check("autocast-fp8", report.matmuls,
+                          report.lowered).startswith(
+                              "not every GEMM is FP8: 1 x bf16 x bf16 -> bf16")
+  assert timing.fp8_check("bf16", report.matmuls, report.lowered) is None
+  only_fp8 = jmp_amp.gpu_report(
+      lambda x, w: jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ()))),
+      x, w)
+  assert timing.fp8_check("autocast-fp8", only_fp8.matmuls,
+                          only_fp8.lowered) is None
+
+
+def test_gpu_report_refuses_a_program_built_for_the_cpu():
+  _target_or_skip()
+  f = lambda x: x @ x
+  x = jax.numpy.ones((8, 8))
+  lowered = jax.jit(f).lower(x)
+  for staged in (lowered, lowered.compile()):
+    with pytest.raises(ValueError, match=r"built for cpu, not for H100.*"
+                       r"jmp_amp.gpu_report\(step, \*args\)"):
+      jmp_amp.gpu_report(staged)
+
+
+def test_bench_target_cublas_is_labelled(tmp_path, capsys):
+  _target_or_skip()
+  text, (row,) = _bench_h100(tmp_path, capsys, "bf16", "--gemm", "cublas")
+  assert CUBLAS_LABEL in text and row["label"] == CUBLAS_LABEL
+  assert row["gemms_by_dtype"] == {"bf16 x bf16 -> bf16": 8}
