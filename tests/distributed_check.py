@@ -232,7 +232,7 @@ def make_step(model_name, precision, graphdef, opt):
       state = nnx.state(model)
     else:
       loss, grads = jmp_amp.scaled_value_and_grad(
-          lambda p: loss_fn(nnx.merge(graphdef, p), batch), opt_state)(state)
+          lambda p: loss_fn(nnx.merge(graphdef, p), batch))(opt_state, state)
       updates, opt_state = opt.update(grads, opt_state, state)
       state = optax.apply_updates(state, updates)
     return state, opt_state, {"loss": loss,

@@ -490,7 +490,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
       return jnp.asarray(loss, jnp.float32), (aux, new_cols)
 
     (loss, (aux, new_cols)), grads = jmp_amp.scaled_value_and_grad(
-        loss_of, state.opt_state, has_aux=True)(state.params)
+        loss_of, has_aux=True)(state.opt_state, state.params)
     if numerics is not None:
       aux, outputs = aux
       grad_stats = numerics_lib.grad_stats(None, grads, numerics)
