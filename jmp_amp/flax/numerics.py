@@ -16,7 +16,9 @@ made the first inf/NaN.
   forward or backward pass that turned finite values into inf/NaN, with its
   module path, a suggested rule keeping that module in float32, and whether
   that rule, applied, removes every inf/NaN. ``make_train_step(...,
-  on_nonfinite=print)`` runs it once, on the first skipped step.
+  on_nonfinite=print)`` runs it on skipped steps and reports each distinct
+  event (a new site, an inf/NaN in the inputs or the forward pass, a
+  non-finite that persists after the loss-scale backoffs).
 
 `select` uses the glob dialect of `jmp_amp.flax.rules`: a path pattern
 (``"blocks/*/attn"``, ``"**"`` or ``"*"`` for every module), a module class
@@ -350,6 +352,33 @@ def _linen_loss(module: nn.Module, variables: Any, loss_fn: Callable,
   return f, params
 
 
+def _nonfinite_input(model: Any, variables: Any, batch: Any
+                     ) -> Optional[localise.NonFinite]:
+  """The first inf/NaN already in the model's variables, else in the batch."""
+  if isinstance(model, nnx.Module):
+    modules = {"/".join(str(p) for p in path)
+               for path, _ in nnx.iter_modules(model)}
+    flat = {}
+    for path, value in nnx.to_flat_state(nnx.state(model)):
+      kind = "params " if isinstance(value, nnx.Param) else "state "
+      value = value.get_value() if isinstance(value, nnx.Variable) else value
+      flat[(kind, tuple(str(p) for p in path))] = value
+    owner = lambda key: _owner("/".join(key[0].key[1][:-1]),
+                               dict.fromkeys(modules))
+    report = localise.input_report(
+        flat, "", module_of_path=owner,
+        keys=lambda key: key[0].key[0] + "/".join(key[0].key[1]))
+  elif variables is not None:
+    names = lambda path: [str(getattr(k, "key", getattr(k, "idx", k)))
+                          for k in path]
+    report = localise.input_report(
+        variables, "variables",
+        module_of_path=lambda path: "/".join(names(path)[1:-1]))
+  else:
+    report = None
+  return report or localise.input_report(batch, "batch")
+
+
 def _all_finite(tree: Any) -> bool:
   return all(bool(np.isfinite(np.asarray(x)).all())
              for x in jax.tree_util.tree_leaves(tree)
@@ -423,8 +452,17 @@ def find_nonfinite(model: Union[nnx.Module, nn.Module],
     backward: also look at the gradient.
 
   Returns:
-    A `jmp_amp.numerics.NonFinite`, or None if nothing went non-finite.
+    A `jmp_amp.numerics.NonFinite`, or None if nothing went non-finite. An
+    inf/NaN already in the model's variables (a parameter, a BatchNorm
+    statistic) or in the batch is reported first, with direction
+    ``"input"``, the module path of the variable and ``argument`` naming it
+    (``"params layers/0/kernel"``, ``"batch['image']"``); no rule is
+    suggested for it.
   """
+  if isinstance(model, (nn.Module, nnx.Module)):
+    report = _nonfinite_input(model, variables, batch)
+    if report is not None:
+      return report
   if isinstance(model, nn.Module):
     if variables is None:
       raise TypeError("find_nonfinite of a linen module needs its variables "

@@ -53,6 +53,7 @@ adjustment), ``grads_finite``, ``skipped_steps``, ``steps`` and, with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -65,6 +66,7 @@ import numpy as np
 import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src import localise
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
@@ -229,15 +231,23 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       (see `jmp_amp.flax.numerics`; print with
       `jmp_amp.numerics.format_stats`). None compiles exactly the step
       without it.
-    on_nonfinite: None, or a callable given, once, the
-      `jmp_amp.numerics.NonFinite` report of
-      `jmp_amp.flax.numerics.find_nonfinite` for the first step whose
-      gradients or loss are not finite (e.g. ``print``). Costs one host
-      read of ``grads_finite`` per step until then (the step waits for the
-      device), and once, an op-by-op run of the loss and its gradient
-      outside `jit`. The compiled step is unchanged. The localiser runs the
-      model after the step (a skipped step left the params as they were)
-      with the loss scale the step used; it does not apply ``autocast``.
+    on_nonfinite: None, or a callable given a `jmp_amp.numerics.NonFinite`
+      (from `jmp_amp.flax.numerics.find_nonfinite`, with ``step``,
+      ``loss_scale`` and ``repeats`` filled in) for every distinct
+      non-finite event (e.g. ``print``): a site (op and module, or input)
+      not reported before; an inf/NaN in the inputs or the forward pass,
+      each time it starts a run of non-finite steps; and a run of
+      non-finite steps that persists for 8 steps (then 16, 32, ...) in
+      spite of the loss-scale backoffs. A routine backoff at a site already
+      reported is not reported again. When the op-by-op replay finds no
+      culprit, the report says so (``primitive="unknown"``); the callback
+      never gets None. Costs one host read of ``grads_finite`` per step
+      (the step waits for the device) and, on the 1st, 2nd, 4th, 8th...
+      non-finite step of a run, an op-by-op run of the loss and its
+      gradient outside `jit`. The compiled step is unchanged. The localiser
+      runs the model after the step (a skipped step left the params as
+      they were) with the loss scale the step used; it does not apply
+      ``autocast``.
 
   Returns:
     The step function.
@@ -302,7 +312,9 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       step, donate=donate, compiler_options=compiler_options)
   if on_nonfinite is None:
     return run
-  return _with_localiser(run, loss_fn, on_nonfinite)
+  return _with_localiser(run, loss_fn, on_nonfinite,
+                         replay_note="" if autocast is None else
+                         "which does not apply autocast=")
 
 
 def _numerics_metrics(outputs: dict, grads: dict) -> dict:
@@ -316,25 +328,59 @@ def _numerics_metrics(outputs: dict, grads: dict) -> dict:
   return merged
 
 
+# A run of non-finite steps this long (and each doubling of it) is reported
+# whatever its site: the loss-scale backoffs have not cured it.
+PERSISTENT_RUN = 8
+
+
 def _with_localiser(run: Callable[..., Any], loss_fn: Callable[..., Any],
-                    callback: Callable[[Any], Any]) -> Callable[..., Any]:
-  """`run`, which hands the first non-finite step to the localiser."""
-  reported = []
+                    callback: Callable[[Any], Any], replay_note: str = ""
+                    ) -> Callable[..., Any]:
+  """`run`, which hands the non-finite steps' events to the localiser.
+
+  An event is reported when its site (direction, module, op, source or
+  input) was never reported before; an input or forward non-finite (which
+  no backoff cures) when it starts a run of non-finite steps; and any site
+  when the run reaches `PERSISTENT_RUN` steps and each doubling after. The
+  localiser runs on the 1st, 2nd, 4th, 8th... step of a run.
+  """
+  reported: set[tuple] = set()
+  run_length = [0]
 
   @functools.wraps(run)
   def checked(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    if reported:
-      return run(model, optimizer, batch)
     _check_optimizer(optimizer)
     # A device copy: the step donates the optimizer state's buffers.
     scale = jax.tree.map(jnp.copy, jmp_amp.get_scaling_state(
         _optax_state(optimizer)).loss_scale)
     metrics = run(model, optimizer, batch)
-    if not (bool(metrics["grads_finite"])
-            and bool(jnp.isfinite(metrics["loss"]))):
-      reported.append(True)
-      callback(numerics_lib.find_nonfinite(model, loss_fn, batch,
-                                           loss_scale=scale))
+    if (bool(metrics["grads_finite"])
+        and bool(jnp.isfinite(metrics["loss"]))):
+      run_length[0] = 0
+      return metrics
+    run_length[0] += 1
+    n = run_length[0]
+    if n & (n - 1):  # Not a power of two: rate-limited.
+      return metrics
+    report = numerics_lib.find_nonfinite(model, loss_fn, batch,
+                                         loss_scale=scale)
+    if report is None:
+      report = localise.NonFinite(
+          primitive="unknown", direction="unknown", module=None,
+          source=", ".join(s for s in (
+              "jmp_amp.flax.numerics.find_nonfinite", replay_note) if s),
+          name_stack="", in_dtypes=(), out_dtypes=(), max_finite=0.0,
+          outputs=())
+    report = dataclasses.replace(
+        report, step=int(metrics["steps"]),
+        loss_scale=float(jnp.asarray(scale.loss_scale)), repeats=n)
+    site = (report.direction, report.module, report.primitive,
+            report.source, report.argument)
+    routine = report.direction == "backward"
+    if (site not in reported or (n == 1 and not routine)
+        or n >= PERSISTENT_RUN):
+      reported.add(site)
+      callback(report)
     return metrics
 
   if hasattr(run, "lower"):
