@@ -148,7 +148,10 @@ def get_scaling_state(opt_state: Any) -> LossScalingState:
     raise ValueError(
         "No loss_scaling state found in the optimizer state (got "
         f"{type(opt_state).__name__}); build the optimizer with "
-        "jmp_amp.loss_scaling(inner, loss_scale).")
+        "jmp_amp.loss_scaling(inner, loss_scale): "
+        "jmp_amp.loss_scaling(inner, jmp_amp.NoOpLossScale()) for bfloat16, "
+        "which needs no scaling but keeps the skip of non-finite steps and "
+        "the step metrics.")
   if len(found) > 1:
     raise ValueError(
         f"Found {len(found)} loss_scaling states in the optimizer state; "

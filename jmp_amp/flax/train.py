@@ -535,6 +535,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
       loss, aux, new_cols = fn(params, cols, batch)
       return jnp.asarray(loss, jnp.float32), (aux, new_cols)
 
+    jmp_amp.get_scaling_state(state.opt_state)  # A clear error if missing.
     (loss, (aux, new_cols)), grads = jmp_amp.scaled_value_and_grad(
         loss_of, has_aux=True)(state.opt_state, state.params)
     if numerics is not None:
