@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import warnings
 
 from flax import nnx
 import jax
@@ -547,3 +548,47 @@ def test_on_nonfinite_never_passes_none():
       "step 1 (loss scale 16): the step's loss or gradients were not finite, "
       "but an op-by-op replay (jmp_amp.flax.numerics.find_nonfinite, which "
       "does not apply autocast=) found no op making inf/NaN")
+
+
+def test_telemetry_select_that_matches_nothing_warns():
+  # (#35) numerics="layer/*" (for "layers/*") silently gave {}.
+  model, loss_fn, batch = _mlp()
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics=["layer/*",
+                                                         "layers/0"])
+  with pytest.warns(UserWarning) as caught:
+    metrics = step(model, opt, batch)
+  messages = [str(w.message) for w in caught
+              if "jmp_amp.flax.numerics" in str(w.message)]
+  assert messages == [
+      "jmp_amp.flax.numerics: select 'layer/*' matches no module path of "
+      "MLP (paths are like 'layers', 'layers/0', 'layers/1', 'layers/2'); "
+      "its statistics will be missing."]
+  assert list(metrics["numerics"]) == ["layers/0"]
+  grads = nnx.state(model, nnx.Param)
+  with pytest.warns(UserWarning, match=r"select 'nothing/\*\*' matches no "
+                    r"module path of MLP"):
+    assert fnum.grad_stats(model, grads, "nothing/**") == {}
+  with pytest.warns(UserWarning, match="select LayerNorm matches no module "
+                    "of MLP: no module is an instance of it"):
+    with fnum.watch(model, nnx.LayerNorm):
+      pass
+
+
+def test_telemetry_select_that_matches_nothing_warns_for_linen():
+  grads = {"Dense_0": {"kernel": jnp.ones(2)}}
+  with pytest.warns(UserWarning, match=r"select 'Dense_1' matches no module "
+                    r"path of the model \(paths are like 'Dense_0'\)"):
+    assert fnum.grad_stats(None, grads, "Dense_1") == {}
+  module = models.LinenMLP(8, 4, 2, width=16)
+  variables = module.init(jax.random.key(0), jnp.ones((2, 8)))
+  with pytest.warns(UserWarning, match=r"select 'blocks/\*' matches no "
+                    r"module path of the linen modules called"):
+    with fnum.watch(None, "blocks/*"):
+      module.apply(variables, jnp.ones((2, 8)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with fnum.watch(None, "**") as seen:
+      module.apply(variables, jnp.ones((2, 8)))
+  assert seen.outputs

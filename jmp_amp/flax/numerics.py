@@ -79,7 +79,7 @@ class _Selector:
           "select must be a path pattern ('blocks/*/attn', '**' for every "
           "module), a Flax module class, or a list of them; got "
           f"{select!r}")
-    self.patterns, self.classes = [], []
+    self.patterns, self.classes, self.keys = [], [], list(select)
     for key in select:
       if isinstance(key, type):
         if not issubclass(key, (nnx.Module, nn.Module)):
@@ -95,6 +95,36 @@ class _Selector:
   def __call__(self, path: str, module: Any) -> bool:
     return (any(p.match(path) for p in self.patterns)
             or isinstance(module, tuple(self.classes)))
+
+  def warn_unmatched(self, candidates: Mapping[str, Any], what: str,
+                     stacklevel: int = 3) -> None:
+    """Warns about each key of `select` that picks none of `candidates`.
+
+    Args:
+      candidates: ``{module path: module}`` (the module may be None).
+      what: how to name the model in the message.
+      stacklevel: as for `warnings.warn`.
+    """
+    if not candidates:
+      return
+    problems = []
+    for key in self.keys:
+      if isinstance(key, type):
+        if not any(isinstance(m, key) for m in candidates.values()):
+          problems.append(f"select {key.__name__} matches no module of "
+                          f"{what}: no module is an instance of it")
+        continue
+      pattern = rules_lib.compile_pattern(
+          "**" if key == rules_lib.DEFAULT_KEY else key)
+      if not any(pattern.match(p) for p in candidates):
+        paths = sorted(p for p in candidates if p)[:4]
+        problems.append(
+            f"select {key!r} matches no module path of {what} (paths are "
+            f"like {', '.join(repr(p) for p in paths) or repr('')})")
+    if problems:
+      warnings.warn("jmp_amp.flax.numerics: " + "; ".join(problems)
+                    + "; its statistics will be missing.", UserWarning,
+                    stacklevel=stacklevel)
 
 
 def _selector(select: Select) -> Optional[_Selector]:
@@ -168,12 +198,14 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
   seen = Seen(_selector(select))
   if model is None:
     depth = [0]
+    called: dict[str, Any] = {}
 
     def interceptor(next_fun, args, kwargs, context):
       module = context.module
       if module.scope is None or context.method_name == "setup":
         return next_fun(*args, **kwargs)
       path = "/".join(module.path)
+      called[path] = module
       if not path and not depth[0]:
         # A new top-level apply: `apply_with_policies` first runs the model
         # abstractly (`jax.eval_shape`), whose values must not be kept.
@@ -189,12 +221,17 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
 
     with nn.intercept_methods(interceptor):
       yield seen
+    if seen.select is not None:
+      seen.select.warn_unmatched(called, "the linen modules called")
     return
   if not isinstance(model, nnx.Module):
     raise TypeError("watch takes an nnx.Module (or None for linen), got "
                     f"{type(model).__name__}")
   paths = {id(m): ("/".join(str(p) for p in path), m)
            for path, m in nnx.iter_modules(model)}
+  if seen.select is not None:
+    seen.select.warn_unmatched(dict(paths.values()),
+                               type(model).__name__)
   hook = _nnx_hook(paths, seen)
   previous = sys.getprofile()
   if previous is not None:
@@ -239,11 +276,15 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
     flat = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v)
             for p, v in flat]
   grouped: dict[str, list] = {}
+  candidates: dict[str, Any] = dict(modules)
   for path, value in flat:
     value = value.get_value() if isinstance(value, nnx.Variable) else value
     owner = _owner("/".join(str(p) for p in path[:-1]), modules)
+    candidates.setdefault(owner, modules.get(owner))
     if selector(owner, modules.get(owner)):
       grouped.setdefault(owner, []).append(value)
+  selector.warn_unmatched(
+      candidates, "the model" if model is None else type(model).__name__)
   out = {}
   for owner, values in grouped.items():
     policy = policies.get(owner)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence, Union
+import warnings
 
 from flax import nnx
 from flax.training import train_state
@@ -293,7 +294,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
         wrt=wrt)(model)
     if numerics is not None:
       aux, outputs = aux
-      grad_stats = numerics_lib.grad_stats(model, grads, numerics)
+      grad_stats = _grad_stats(model, grads, numerics)
     optimizer.update(model, grads)
     metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
     if numerics is not None:
@@ -315,6 +316,14 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
   return _with_localiser(run, loss_fn, on_nonfinite,
                          replay_note="" if autocast is None else
                          "which does not apply autocast=")
+
+
+def _grad_stats(model: Any, grads: Any, numerics: Any) -> dict:
+  # `watch` has already warned about a select that matches no module.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select",
+                            UserWarning)
+    return numerics_lib.grad_stats(model, grads, numerics)
 
 
 def _numerics_metrics(outputs: dict, grads: dict) -> dict:
@@ -540,7 +549,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
         loss_of, has_aux=True)(state.opt_state, state.params)
     if numerics is not None:
       aux, outputs = aux
-      grad_stats = numerics_lib.grad_stats(None, grads, numerics)
+      grad_stats = _grad_stats(None, grads, numerics)
     state = state.apply_gradients(grads=grads)
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
     if numerics is not None:
