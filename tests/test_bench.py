@@ -109,7 +109,9 @@ def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
   assert "memory: this row's peak memory / the float32 row's" in flat
   assert "Not shown at this width:" in text
   verdicts = [line for line in lines if line.startswith("Verdict: ")]
-  assert len(verdicts) == 1 and "fastest JAX mode" in verdicts[0], text
+  assert len(verdicts) == 1, text
+  assert re.match(r"Verdict: (fastest JAX mode|no JAX mode is faster)",
+                  verdicts[0]), text
   assert "half precision is not expected to be faster here" in " ".join(
       text.split())
 
@@ -479,3 +481,30 @@ def test_target_table_fits_the_width_with_legend_and_verdict():
   wide = gpu.format_report(rows, "title", 400)
   assert "GEMMs by dtype" in wide.splitlines()[2]
   assert "Not shown at this width" not in wide
+
+
+def _timed(mode, speedup, spread):
+  return dict(mode=mode, framework="jax", status="ok", final_loss=1.0,
+              skipped_steps=0, config={"steps": 4}, step_spread=spread,
+              speedup_vs_float32=speedup)
+
+
+def test_verdict_names_no_winner_within_the_spread():
+  # (#35) "fastest JAX mode float32-highest at 1.02x" with a 3 % spread.
+  runs = [_timed("float32", 1.0, 0.01), _timed("float32-highest", 1.02, 0.03),
+          _timed("bf16", 0.9, 0.01)]
+  text = table.verdict(runs)
+  assert "fastest JAX mode" not in text, text
+  assert text.startswith(
+      "Verdict: no JAX mode is faster than float32 beyond the timing spread "
+      "(the best, float32-highest, at 1.02x with spread ±3%, float32's ±1%);")
+
+
+def test_verdict_names_a_winner_beyond_the_spread_and_its_ties():
+  runs = [_timed("float32", 1.0, 0.01), _timed("bf16", 1.5, 0.02),
+          _timed("fp16", 1.48, 0.01), _timed("fp8", 1.2, 0.01)]
+  assert table.verdict(runs).startswith(
+      "Verdict: fastest JAX mode bf16 at 1.50x float32's speed (spread ±2%; "
+      "fp16 within the spread);")
+  alone = table.verdict([_timed("float32", 1.0, 0.0), _timed("bf16", 0.5, 0)])
+  assert alone.startswith("Verdict: no JAX mode is faster than float32;")
