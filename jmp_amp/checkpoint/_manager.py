@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jmp_amp._src import replicas
 from jmp_amp.checkpoint import _compat
 from jmp_amp.checkpoint import _errors
 from jmp_amp.checkpoint import _fp8
@@ -103,6 +104,12 @@ class CheckpointManager:
     force = _check_bool(force, "force")
     saveable = _nnx.saveable(state)
     _check_global(saveable, step)
+    replicas.check(
+        _compat.named_leaves(saveable),
+        f"cannot save checkpoint step {step} in {self.directory}",
+        "The checkpoint would keep one process's copy and silently drop the "
+        "others (or fail its checksums on restore). Start every process from "
+        "the same state: the same loss scale, seeds and checkpoint.")
     meta = _compat.describe(state)
     if not meta["leaves"]:
       raise ValueError(f"state has no arrays to save, got "
@@ -275,6 +282,18 @@ class CheckpointManager:
       raise self._damaged(step, str(e), _layout.META_FILE) from None
     if mismatch is not None:
       name, want, got = mismatch
+      if (jax.process_count() > 1
+          and name not in meta["checksums"].get("shards", {})):
+        # One copy per process was saved; the checksum may be another's.
+        raise self._damaged(
+            step, f"array {name} does not match its checksum "
+            f"({_integrity.CHECKSUM} saved {want}, read {got}). It is "
+            "replicated over the processes: either the processes that saved "
+            "it held different copies of it (a save before jmp_amp compared "
+            "the copies; the file then holds one process's copy and the "
+            "checksum another's), or its data files are damaged. Restore an "
+            "earlier step, or restart every process from the same state",
+            name)
       raise self._damaged(
           step, f"array {name} does not match its checksum "
           f"({_integrity.CHECKSUM} saved {want}, read {got}); its data files "

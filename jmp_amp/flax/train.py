@@ -68,6 +68,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src import localise
+from jmp_amp._src import replicas
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
@@ -409,10 +410,13 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
   jitted = jax.jit(pure, static_argnums=0,
                    donate_argnums=(1,) if donate else (),
                    compiler_options=compiler_options)
+  check_replicas = _replica_check(
+      lambda optimizer: _optax_state(optimizer))
 
   @functools.wraps(step)
   def run(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
     _check_optimizer(optimizer)
+    check_replicas(optimizer)
     graphdef, state = nnx.split((model, optimizer))
     new_state, metrics = jitted(graphdef, state, batch)
     nnx.update((model, optimizer), new_state)
@@ -425,6 +429,19 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
 
   run.lower = lower
   return run
+
+
+def _replica_check(opt_state_of: Callable[[Any], Any]) -> Callable[..., None]:
+  """On the first call of a multi-process step: do the processes hold the
+  same loss-scaling state? (Each would otherwise train on with its own.)"""
+  return replicas.check_once(
+      lambda *args: replicas.scaling_leaves(
+          jmp_amp.get_scaling_state(opt_state_of(*args))),
+      "the train step's first call",
+      "Every process must start with the same loss scale (the same "
+      "jmp_amp.loss_scaling(..., loss_scale) arguments) or restore the same "
+      "checkpoint; otherwise each process's scale, moments and params drift "
+      "apart without a word.")
 
 
 def _optax_state(optimizer: nnx.Optimizer) -> Any:
@@ -561,5 +578,16 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(0,) if donate else (),
-                 compiler_options=compiler_options)
+  jitted = jax.jit(step, donate_argnums=(0,) if donate else (),
+                   compiler_options=compiler_options)
+  if jax.process_count() == 1:
+    return jitted
+  check_replicas = _replica_check(lambda state, batch: state.opt_state)
+
+  @functools.wraps(step)
+  def run(state: train_state.TrainState, batch: Any):
+    check_replicas(state, batch)
+    return jitted(state, batch)
+
+  run.lower = jitted.lower
+  return run
