@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 from typing import Any, Iterator, Optional, Union
 import warnings
 
@@ -338,9 +337,6 @@ class CheckpointManager:
     return step
 
 
-_ECHO_WAIT_S = 0.2
-
-
 def _is_closed_loop_noise(unraisable: Any) -> bool:
   exc = getattr(unraisable, "exc_value", None)
   return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
@@ -367,11 +363,6 @@ def _quiet_closed_loop() -> Iterator[None]:
   sys.unraisablehook = hook
   try:
     yield
-  except BaseException:
-    # The other reads complete on TensorStore's threads just after the
-    # failure: let them land while the hook is here (a damaged step only).
-    time.sleep(_ECHO_WAIT_S)
-    raise
   finally:
     if sys.unraisablehook is hook:
       sys.unraisablehook = previous
