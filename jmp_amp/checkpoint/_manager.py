@@ -10,10 +10,8 @@ is damaged, or brings back an unusable loss scale or FP8 history.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 import warnings
 
 import jax
@@ -209,8 +207,7 @@ class CheckpointManager:
     damaged: list[_errors.CheckpointCorruptedError] = []
     for s in candidates:
       try:
-        with _quiet_closed_loop():
-          out = self._restore_step(target, s, cast_dtypes, verify)
+        out = self._restore_step(target, s, cast_dtypes, verify)
       except _errors.CheckpointCorruptedError as e:
         if not fallback:
           raise
@@ -335,37 +332,6 @@ class CheckpointManager:
           f"no checkpoint for step {step} in {self.directory}; steps saved: "
           f"{self.all_steps()}")
     return step
-
-
-def _is_closed_loop_noise(unraisable: Any) -> bool:
-  exc = getattr(unraisable, "exc_value", None)
-  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-
-
-@contextlib.contextmanager
-def _quiet_closed_loop() -> Iterator[None]:
-  """Drops the "Event loop is closed" tracebacks of a failed read.
-
-  When one array of a damaged step cannot be read, orbax's event loop ends
-  while TensorStore still completes the other reads; each completion then
-  calls into the closed loop and Python prints the error as unraisable (one
-  traceback per array). The failure itself is reported, once, as a
-  `CheckpointCorruptedError` (or a `CheckpointFallbackWarning`); these
-  echoes of it are dropped. Every other unraisable error goes to the hook
-  that was installed before.
-  """
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not _is_closed_loop_noise(unraisable):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-  try:
-    yield
-  finally:
-    if sys.unraisablehook is hook:
-      sys.unraisablehook = previous
 
 
 def _check_global(saveable: Any, step: int) -> None:
