@@ -53,7 +53,6 @@ adjustment), ``grads_finite``, ``skipped_steps``, ``steps`` and, with
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence, Union
 import warnings
@@ -67,11 +66,10 @@ import numpy as np
 import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
-from jmp_amp._src import localise
-from jmp_amp._src import replicas
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
+from jmp_amp.flax import _step_checks
 from jmp_amp.flax import numerics as numerics_lib
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
@@ -264,12 +262,12 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _check_optimizer(optimizer)
+    _step_checks.check_optimizer(optimizer)
     # The FP8 amax histories are differentiated too: their "gradients" are
     # their new values, which value_and_grad writes into the model.
     diff = nnx.Any(wrt, _fp8.FP8Meta)
     graphdef, _, rest = nnx.split(model, diff, ...)
-    opt_state = _optax_state(optimizer)
+    opt_state = _step_checks.optax_state(optimizer)
 
     def forward(params, rest, batch):
       # copy: fresh Variables of this trace, which the forward pass may update.
@@ -297,7 +295,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       aux, outputs = aux
       grad_stats = _grad_stats(model, grads, numerics)
     optimizer.update(model, grads)
-    metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
+    metrics = _metrics(_step_checks.optax_state(optimizer), loss, aux, has_aux)
     if numerics is not None:
       metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
       metrics["numerics"].update(numerics_lib.fp8_stats(
@@ -314,7 +312,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       step, donate=donate, compiler_options=compiler_options)
   if on_nonfinite is None:
     return run
-  return _with_localiser(run, loss_fn, on_nonfinite,
+  return _step_checks.with_localiser(run, loss_fn, on_nonfinite,
                          replay_note="" if autocast is None else
                          "which does not apply autocast=")
 
@@ -338,66 +336,6 @@ def _numerics_metrics(outputs: dict, grads: dict) -> dict:
   return merged
 
 
-# A run of non-finite steps this long (and each doubling of it) is reported
-# whatever its site: the loss-scale backoffs have not cured it.
-PERSISTENT_RUN = 8
-
-
-def _with_localiser(run: Callable[..., Any], loss_fn: Callable[..., Any],
-                    callback: Callable[[Any], Any], replay_note: str = ""
-                    ) -> Callable[..., Any]:
-  """`run`, which hands the non-finite steps' events to the localiser.
-
-  An event is reported when its site (direction, module, op, source or
-  input) was never reported before; an input or forward non-finite (which
-  no backoff cures) when it starts a run of non-finite steps; and any site
-  when the run reaches `PERSISTENT_RUN` steps and each doubling after. The
-  localiser runs on the 1st, 2nd, 4th, 8th... step of a run.
-  """
-  reported: set[tuple] = set()
-  run_length = [0]
-
-  @functools.wraps(run)
-  def checked(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _check_optimizer(optimizer)
-    # A device copy: the step donates the optimizer state's buffers.
-    scale = jax.tree.map(jnp.copy, jmp_amp.get_scaling_state(
-        _optax_state(optimizer)).loss_scale)
-    metrics = run(model, optimizer, batch)
-    if (bool(metrics["grads_finite"])
-        and bool(jnp.isfinite(metrics["loss"]))):
-      run_length[0] = 0
-      return metrics
-    run_length[0] += 1
-    n = run_length[0]
-    if n & (n - 1):  # Not a power of two: rate-limited.
-      return metrics
-    report = numerics_lib.find_nonfinite(model, loss_fn, batch,
-                                         loss_scale=scale)
-    if report is None:
-      report = localise.NonFinite(
-          primitive="unknown", direction="unknown", module=None,
-          source=", ".join(s for s in (
-              "jmp_amp.flax.numerics.find_nonfinite", replay_note) if s),
-          name_stack="", in_dtypes=(), out_dtypes=(), max_finite=0.0,
-          outputs=())
-    report = dataclasses.replace(
-        report, step=int(metrics["steps"]),
-        loss_scale=float(jnp.asarray(scale.loss_scale)), repeats=n)
-    site = (report.direction, report.module, report.primitive,
-            report.source, report.argument)
-    routine = report.direction == "backward"
-    if (site not in reported or (n == 1 and not routine)
-        or n >= PERSISTENT_RUN):
-      reported.add(site)
-      callback(report)
-    return metrics
-
-  if hasattr(run, "lower"):
-    checked.lower = run.lower
-  return checked
-
-
 def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
                   compiler_options: Optional[dict[str, Any]]):
   """`step(model, optimizer, batch)` as a jax.jit over their split state."""
@@ -410,12 +348,11 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
   jitted = jax.jit(pure, static_argnums=0,
                    donate_argnums=(1,) if donate else (),
                    compiler_options=compiler_options)
-  check_replicas = _replica_check(
-      lambda optimizer: _optax_state(optimizer))
+  check_replicas = _step_checks.replica_check(_step_checks.optax_state)
 
   @functools.wraps(step)
   def run(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _check_optimizer(optimizer)
+    _step_checks.check_optimizer(optimizer)
     check_replicas(optimizer)
     graphdef, state = nnx.split((model, optimizer))
     new_state, metrics = jitted(graphdef, state, batch)
@@ -423,41 +360,12 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
     return metrics
 
   def lower(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _check_optimizer(optimizer)
+    _step_checks.check_optimizer(optimizer)
     graphdef, state = nnx.split((model, optimizer))
     return jitted.lower(graphdef, state, batch)
 
   run.lower = lower
   return run
-
-
-def _replica_check(opt_state_of: Callable[[Any], Any]) -> Callable[..., None]:
-  """On the first call of a multi-process step: do the processes hold the
-  same loss-scaling state? (Each would otherwise train on with its own.)"""
-  return replicas.check_once(
-      lambda *args: replicas.scaling_leaves(
-          jmp_amp.get_scaling_state(opt_state_of(*args))),
-      "the train step's first call",
-      "Every process must start with the same loss scale (the same "
-      "jmp_amp.loss_scaling(..., loss_scale) arguments) or restore the same "
-      "checkpoint; otherwise each process's scale, moments and params drift "
-      "apart without a word.")
-
-
-def _optax_state(optimizer: nnx.Optimizer) -> Any:
-  """The optax state an `nnx.Optimizer` holds, its Variables unwrapped.
-
-  (`nnx.as_pure` does this from Flax 0.12.7 on; this works on every version.)
-  """
-  return jax.tree.map(
-      lambda x: x.get_value() if isinstance(x, nnx.Variable) else x,
-      optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def _check_optimizer(optimizer: Any) -> None:
-  if not isinstance(optimizer, nnx.Optimizer):
-    raise TypeError("make_train_step's step takes (model, optimizer, batch) "
-                    f"with an nnx.Optimizer, got {type(optimizer).__name__}")
 
 
 # --------------------------------------------------------------------------
@@ -582,7 +490,8 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
                    compiler_options=compiler_options)
   if jax.process_count() == 1:
     return jitted
-  check_replicas = _replica_check(lambda state, batch: state.opt_state)
+  check_replicas = _step_checks.replica_check(
+      lambda state, batch: state.opt_state)
 
   @functools.wraps(step)
   def run(state: train_state.TrainState, batch: Any):
