@@ -240,6 +240,12 @@ class CheckpointManager:
       except Exception as e:  # pylint: disable=broad-except
         raise self._corrupted(step, e) from e
       read_as, rebuild = _layout.plain_layout(saved_tree, saveable)
+    missing = _integrity.missing_index(
+        os.path.join(self._step_dir(step), _layout.STATE))
+    if missing is not None:
+      where = f"{_layout.STATE}/{missing}"
+      raise self._damaged(
+          step, f"file {where} (the index of the array data) is missing", where)
     try:
       state = self._manager.restore(step, args=_layout.state_restore_args(
           read_as, meta and meta["leaves"]))[_layout.STATE]
