@@ -1112,11 +1112,12 @@ def test_autocast_float8_matmuls_are_fp8_forward_and_backward():
   params, (x, labels) = _mlp_params(), _classification_batch()
   f8_grad = jax.jit(jax.grad(jmp_amp.autocast(_mlp_loss, "float8")))
   sigs = _f8_signatures(f8_grad, params, x, labels)
-  # Three matmuls: each forward on two E4M3 operands; backward, the three
-  # weight gradients and three input gradients each take the E5M2 output
-  # gradient (first) and an E4M3 operand. (The first layer's input gradient
-  # is unused: XLA removes it, see tests/test_fp8_shared_inputs.py.)
-  assert sigs == {"e4m3 x e4m3": 3, "e5m2 x e4m3": 6}, sigs
+  # Three matmuls: each forward on two E4M3 operands; backward, three input
+  # gradients (the E5M2 output gradient first) and three weight gradients
+  # (the E4M3 input first, so the gradient comes out in the kernel's
+  # layout). The first layer's input gradient is unused: XLA removes it,
+  # see tests/test_fp8_shared_inputs.py.
+  assert sigs == {"e4m3 x e4m3": 3, "e5m2 x e4m3": 3, "e4m3 x e5m2": 3}, sigs
   # The half path, for contrast, has no FP8 anywhere.
   bf16_grad = jax.grad(jmp_amp.autocast(_mlp_loss, "p=f32,c=bf16,o=f32"))
   assert _f8_signatures(bf16_grad, params, x, labels) == {"- x -": 8}

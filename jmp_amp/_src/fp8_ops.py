@@ -67,12 +67,25 @@ def _transpose_lhs_dims(dims, lhs_ndim, rhs_ndim, swap_ans=False):
 
 
 def _grad_dims(dims, lhs_ndim, rhs_ndim):
-  """((dims, axes) of the lhs gradient, (dims, axes) of the rhs gradient):
-  ``transpose(dot_general(g, other, dims), axes)`` for each operand."""
+  """((dims, axes) of the lhs gradient, (dims, axes) of the rhs gradient).
+
+  The lhs gradient is ``transpose(dot_general(g, rhs, dims), axes)``, the
+  rhs gradient ``transpose(dot_general(lhs, g, dims), axes)``: with the
+  operand first, a kernel laid out ``[in, out]`` (nn.Linear's) gets its
+  gradient in its own layout, with no transposed float32 copy.
+  """
   (lc, rc), (lb, rb) = dims
-  return (_transpose_lhs_dims(dims, lhs_ndim, rhs_ndim),
-          _transpose_lhs_dims(((rc, lc), (rb, lb)), rhs_ndim, lhs_ndim,
-                              swap_ans=True))
+  (gdims, raxes) = _transpose_lhs_dims(((rc, lc), (rb, lb)), rhs_ndim,
+                                       lhs_ndim, swap_ans=True)
+  # dot_general(g, lhs, gdims) is laid out (batch, g's kept, lhs's kept);
+  # dot_general(lhs, g, swapped) is (batch, lhs's kept, g's kept).
+  (g_c, l_c), (g_b, l_b) = gdims
+  nb, nl = len(g_b), lhs_ndim - len(l_c) - len(l_b)
+  ng = len(raxes) - nb - nl
+  where = list(range(nb)) + [nb + nl + i for i in range(ng)] + [
+      nb + i for i in range(nl)]
+  rhs_grad = (((l_c, g_c), (l_b, g_b)), tuple(where[a] for a in raxes))
+  return _transpose_lhs_dims(dims, lhs_ndim, rhs_ndim), rhs_grad
 
 
 def _gemm(a, b, dims, precision, out_dtype=jnp.float32):
@@ -127,7 +140,7 @@ def _tensor_bwd(recipe, dims, precision, out_sharding, res, g):
   (ldims, laxes), (rdims, raxes) = _grad_dims(dims, q_lhs.ndim, q_rhs.ndim)
   dlhs = _rescale(_gemm(q_g, q_rhs, ldims, precision, like_lhs.dtype),
                   g_scale * rhs_scale, like_lhs.dtype)
-  drhs = _rescale(_gemm(q_g, q_lhs, rdims, precision, like_rhs.dtype),
+  drhs = _rescale(_gemm(q_lhs, q_g, rdims, precision, like_rhs.dtype),
                   g_scale * lhs_scale, like_rhs.dtype)
   dlhs, drhs = jnp.transpose(dlhs, laxes), jnp.transpose(drhs, raxes)
   return dlhs, drhs, fp8_lib.FP8State(new_lhs, new_rhs, new_grad)
@@ -189,7 +202,7 @@ def _row_bwd(recipe, dims, precision, out_sharding, res, g):
   (ldims, laxes), (rdims, raxes) = _grad_dims(dims, lhs.ndim, rhs.ndim)
   dlhs, g_amax, _ = _row_scaled_dot(g, rhs, ldims, bwd, fwd, margin,
                                      precision)
-  drhs = _row_scaled_dot(g, lhs, rdims, bwd, fwd, margin, precision)[0]
+  drhs = _row_scaled_dot(lhs, g, rdims, fwd, bwd, margin, precision)[0]
   dlhs, drhs = jnp.transpose(dlhs, laxes), jnp.transpose(drhs, raxes)
   new_grad = fp8_lib.update_history(grad_history, g_amax)
   return (dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype),
