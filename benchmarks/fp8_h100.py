@@ -2,9 +2,10 @@
 
 Compiles the train steps of the reference MLP (PyTorch AMP recipe sizes) and
 GPT for an H100 without a GPU (`jmp_amp.tools.gpu_report`: the CUDA plugin's
-compile-only target, GEMMs as cuBLAS calls), three ways, and lists the GEMMs
-of the optimized program with their operand dtypes (spelled as XLA does:
-``f8e4m3fn``):
+compile-only target, XLA's default options: GEMMs as Triton GEMM fusions or
+cuBLAS calls as XLA picks them, untuned since no GPU autotunes here), three
+ways, and lists the GEMMs of the optimized program with their operand dtypes
+(spelled as XLA does: ``f8e4m3fn``) and what each compiled to (``target``):
 
 * ``mlp``, ``gpt``: ``set_policies(model, {"*": "float8"}, example_args=...)``
   on the bf16 model (the first and last matmul layers, in call order,
@@ -26,6 +27,11 @@ Run in a venv with the ``gpu-audit`` extra (``pip install -e ".[gpu-audit]"``)::
 
     JAX_PLATFORMS=cpu python benchmarks/fp8_h100.py \\
         [--out benchmarks/results/fp8_h100.json]
+
+``--gemm cublas`` compiles with Triton GEMMs off
+(``xla_gpu_enable_triton_gemm=False``, every GEMM a cuBLAS call: a
+configuration no GPU has unless asked for) and writes, labelled so,
+fp8_h100_cublas.json unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import jmp_amp.flax
 from jmp_amp import models
 from jmp_amp.flax import fp8 as flax_fp8
 import jmp_amp.tools
+from jmp_amp.tools import gpu_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F8 = ("f8e4m3fn", "f8e5m2")
@@ -146,7 +153,7 @@ CASES = {"mlp": (_mlp_case, "set_fp8"), "gpt": (_gpt_case, "set_fp8"),
          "gpt-autocast": (_gpt_case, "autocast")}
 
 
-def run_case(name: str) -> dict:
+def run_case(name: str, gemm: str = "default") -> dict:
   case, how = CASES[name]
   build, batch, loss = case(how)
   # The paths of the FP8 layers: their policies (abstract histories have no
@@ -161,7 +168,8 @@ def run_case(name: str) -> dict:
   graphdef, state = _abstract(build, tx)
   make_step = _autocast_train_step if how == "autocast" else _train_step
   report = jmp_amp.tools.gpu_report(make_step(loss), graphdef, state, batch,
-                                    static_argnums=0, donate_argnums=1)
+                                    static_argnums=0, donate_argnums=1,
+                                    gemm=gemm)
   gemms = [_gemm(r) for r in report.matmuls]
   sig = collections.Counter(f"{g['lhs']} x {g['rhs']} -> {g['out']}"
                             for g in gemms)
@@ -205,17 +213,32 @@ def sig_count(gemms, lhs, rhs):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cases", nargs="*", default=list(CASES))
-  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
-                                           "fp8_h100.json"))
+  parser.add_argument("--gemm", choices=list(gpu_target.GEMM_BACKENDS),
+                      default="default",
+                      help="compiler options: XLA's default (Triton GEMMs) "
+                           "or cublas (Triton GEMMs off, labelled)")
+  parser.add_argument("--out", default=None,
+                      help="default benchmarks/results/fp8_h100.json "
+                           "(fp8_h100_cublas.json with --gemm cublas)")
   args = parser.parse_args(argv)
-  results = {"what": "cuBLAS GEMMs in the optimized XLA:GPU program of FP8 "
+  if args.out is None:
+    args.out = str(ROOT / "benchmarks" / "results" / (
+        "fp8_h100.json" if args.gemm == "default" else
+        f"fp8_h100_{args.gemm}.json"))
+  results = {"label": gpu_target.label("h100", args.gemm),
+             "gemm": args.gemm,
+             "gemm_options": gpu_target.GEMM_BACKENDS[args.gemm],
+             "what": "GEMMs in the optimized XLA:GPU program of FP8 "
                      "train steps, compiled for an H100 SXM without a GPU "
                      "(jmp_amp.tools.gpu_report, "
-                     "xla_gpu_enable_triton_gemm=False); "
-                     "compiler facts, not timings",
+                     + ("XLA's default options: Triton GEMM fusions or "
+                        "cuBLAS calls as XLA picks them, untuned since no "
+                        "GPU autotunes here" if args.gemm == "default" else
+                        "Triton GEMMs off: xla_gpu_enable_triton_gemm=False")
+                     + "); compiler facts, not timings",
              "jax": jax.__version__}
   for name in args.cases:
-    r = run_case(name)
+    r = run_case(name, args.gemm)
     results[name] = r
     print(f"== {name} ({r['applied_with']}): FP8 layers {r['fp8_layers']}")
     for s, c in sorted(r["gemm_signatures"].items()):
