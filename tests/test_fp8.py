@@ -380,6 +380,52 @@ def test_bad_arguments_raise_clear_errors():
     fp8.FP8Recipe(compute_dtype=jnp.int8)
 
 
+@pytest.mark.parametrize("margin", [-4, 17, 200, -200, 1.5, True])
+def test_margin_outside_0_to_16_is_refused(margin):
+  # A negative margin saturated every tensor (relative error 0.97); +-200
+  # made the scales inf or 0 and the outputs NaN.
+  with pytest.raises(ValueError, match=r"margin must be an int from 0 to 16 "
+                     r"\(headroom in powers of two\), got "):
+    fp8.FP8Recipe(margin=margin)
+
+
+@pytest.mark.parametrize("scaling", ["current", "rowwise"])
+def test_margin_is_honoured_and_costs_bits(scaling):
+  """margin m: the largest value maps to fp8_max / 2**m. A power of two
+  changes no rounding in E4M3's normal range, only where values sink into
+  its subnormals: with magnitudes spread over four decades, the result
+  moves."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((8, 16))
+                  * 10.0 ** rng.uniform(-4, 0, (8, 16)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((16, 4)), jnp.float32)
+  outs = {m: jmp_amp.fp8.dot_general(x, w, MATMUL, recipe=fp8.FP8Recipe(
+      scaling=scaling, margin=m, compute_dtype=jnp.float32)) for m in (0, 3)}
+  assert not np.array_equal(outs[0], outs[3])
+  for y in outs.values():
+    assert _rel(y, x @ w) < 0.15
+
+
+def test_rowwise_rule_for_a_convolution_is_refused_by_set_policies():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.stem = nnx.Linear(4, 4, rngs=rngs)
+      self.conv = nnx.Conv(4, 4, (3, 3), rngs=rngs)
+      self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.conv(self.stem(x)))
+
+  model = Net(nnx.Rngs(0))
+  rule = flax_fp8.FP8Policy(fp8.FP8Recipe(scaling="rowwise"),
+                            keep_first_last=False)
+  with pytest.raises(ValueError, match="rowwise FP8 scaling is for "
+                     "dot_general and einsum.*module 'conv' is a convolution"):
+    jmp_amp.flax.set_policies(model, {"*": rule})
+  # Nothing was converted: the model is as before.
+  assert flax_fp8.histories(model) == {}
+
+
 # --------------------------------------------------------------------------
 # Applying FP8 to NNX models.
 
@@ -1081,7 +1127,10 @@ def test_autocast_float8_matmuls_are_fp8_forward_and_backward():
                 for e in jaxpr.jaxpr.eqns}
   assert out_dtypes["exp"] == jnp.float32, out_dtypes
   assert out_dtypes["reduce_max"] == jnp.float32
-  assert out_dtypes["dot_general"] == jnp.bfloat16
+  # Each FP8 matmul is one custom-VJP call (its GEMMs inside) returning bf16.
+  matmuls = [e.outvars[0].aval.dtype for e in jaxpr.jaxpr.eqns
+             if e.primitive.name.startswith("custom_vjp")]
+  assert matmuls == [jnp.bfloat16] * 3, out_dtypes
 
 
 @pytest.mark.slow

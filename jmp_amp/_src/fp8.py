@@ -122,8 +122,9 @@ def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
   """
   amax = jnp.asarray(amax, jnp.float32)
   scale = amax * np.float32(2.0 ** margin / fp8_max(dtype))
-  ok = jnp.isfinite(amax) & (amax > 0)
-  return jnp.where(ok, scale, jnp.ones_like(scale))
+  ok = lax.is_finite(amax) & (amax > 0)
+  # lax.select, not jnp.where: no nested jit per call (compile time).
+  return lax.select(ok, scale, jnp.ones_like(scale))
 
 
 def amax(x: jax.Array, axis: Optional[tuple] = None) -> jax.Array:
@@ -140,8 +141,8 @@ def amax(x: jax.Array, axis: Optional[tuple] = None) -> jax.Array:
   if x.size == 0 and axis is None:
     return jnp.zeros((), jnp.float32)
   a = jnp.abs(x)
-  return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), axis=axis,
-                 keepdims=axis is not None).astype(jnp.float32)
+  a = lax.select(jnp.isnan(a), jnp.full_like(a, jnp.inf), a)
+  return jnp.max(a, axis=axis, keepdims=axis is not None).astype(jnp.float32)
 
 
 def tie(x: jax.Array, other: jax.Array) -> jax.Array:
@@ -167,8 +168,8 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   dtype = _fp8_dtype(dtype, "dtype")
   limit = fp8_max(dtype)
   y = jnp.asarray(x, jnp.float32) / jnp.asarray(scale, jnp.float32)
-  y = jnp.where(jnp.isfinite(y), jnp.clip(y, -limit, limit), y)
-  return y.astype(dtype)
+  clipped = lax.clamp(np.float32(-limit), y, np.float32(limit))
+  return lax.select(lax.is_finite(y), clipped, y).astype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array,
@@ -185,9 +186,10 @@ def update_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
   largest finite entry instead, so one bad step does not poison the scales.
   """
   new_amax = jnp.asarray(new_amax, history.dtype)
-  fallback = jnp.max(jnp.where(jnp.isfinite(history), history, 0))
-  new_amax = jnp.where(jnp.isfinite(new_amax), new_amax, fallback)
-  return jnp.roll(history, 1).at[0].set(new_amax)
+  finite = lax.select(lax.is_finite(history), history,
+                      jnp.zeros_like(history))
+  new_amax = lax.select(lax.is_finite(new_amax), new_amax, jnp.max(finite))
+  return jnp.concatenate([new_amax[None], history[:-1]])
 
 
 # --------------------------------------------------------------------------
@@ -289,7 +291,7 @@ def scale_of(x: jax.Array, history: jax.Array, dtype: Any,
     # An empty (all-zero) history, on the first step, falls back to the
     # current amax rather than scale 1.
     past = jnp.max(history)
-    basis = jnp.where(past > 0, past, current)
+    basis = lax.select(past > 0, past, current)
   return (compute_scale(basis, dtype, recipe.margin),
           update_history(history, current))
 

@@ -140,33 +140,31 @@ _tensor_scaled.defvjp(_tensor_fwd, _tensor_bwd)
 # Rowwise scaling: a scale per row of each GEMM operand.
 
 
-def _quantize_rows(x, axes, dtype, tie, margin):
-  """(FP8 `x`, float32 scales) with one scale per index of the axes not in
-  `axes` (the scales keep `x`'s rank, size 1 along `axes`); `x` is tied to
-  the finite scalar `tie` as in the per-tensor case."""
-  scale = fp8_lib.compute_scale(fp8_lib.amax(x, axes), dtype, margin)
-  return fp8_lib.quantize(fp8_lib.tie(x, tie), dtype, scale), scale
-
-
 def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, margin, precision):
-  """``dot_general(a, b, dims)`` (float32) on rowwise-quantized operands.
+  """``dot_general(a, b, dims)`` (float32) on rowwise-quantized operands,
+  and the whole-tensor amax of `a` and `b`.
 
-  The GEMM multiplies the FP8 tensors; the outer product of the scales,
-  laid out as the result (batch, `a`'s kept, `b`'s kept), rescales it.
+  Each operand gets one scale per index of the axes it does not contract
+  (the scales keep its rank, size 1 along the contracted axes). The GEMM
+  multiplies the FP8 tensors; the outer product of the scales, laid out as
+  the result (batch, `a`'s kept, `b`'s kept), rescales it. Each operand is
+  tied to one of the other's scales (see `_tensor_fwd`); the whole-tensor
+  amaxes, for the histories, are the largest row amaxes.
   """
   (ac, bc), (ab, bb) = dims
   ak, bk = _kept(a.ndim, ac, ab), _kept(b.ndim, bc, bb)
-  tie_a = fp8_lib.compute_scale(fp8_lib.amax(b), dtype_b)
-  tie_b = fp8_lib.compute_scale(fp8_lib.amax(a), dtype_a)
-  qa, sa = _quantize_rows(a, tuple(ac), dtype_a, tie_a, margin)
-  qb, sb = _quantize_rows(b, tuple(bc), dtype_b, tie_b, margin)
+  row_a, row_b = fp8_lib.amax(a, tuple(ac)), fp8_lib.amax(b, tuple(bc))
+  sa = fp8_lib.compute_scale(row_a, dtype_a, margin)
+  sb = fp8_lib.compute_scale(row_b, dtype_b, margin)
+  qa = fp8_lib.quantize(fp8_lib.tie(a, sb.reshape(-1)[0]), dtype_a, sa)
+  qb = fp8_lib.quantize(fp8_lib.tie(b, sa.reshape(-1)[0]), dtype_b, sb)
   y = _gemm(qa, qb, dims, precision)
   batch = [a.shape[i] for i in ab]
   sa = jnp.transpose(sa, list(ab) + ak + list(ac)).reshape(
       batch + [a.shape[i] for i in ak] + [1] * len(bk))
   sb = jnp.transpose(sb, list(bb) + bk + list(bc)).reshape(
       batch + [1] * len(ak) + [b.shape[i] for i in bk])
-  return y * sa * sb
+  return y * sa * sb, jnp.max(row_a), jnp.max(row_b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -176,9 +174,10 @@ def _row_scaled(recipe, dims, precision, out_sharding, lhs, rhs, state):
 
 def _row_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state):
   fwd = recipe.fwd_dtype
-  y = _row_scaled_dot(lhs, rhs, dims, fwd, fwd, recipe.margin, precision)
-  new = (fp8_lib.update_history(state.lhs, fp8_lib.amax(lhs)),
-         fp8_lib.update_history(state.rhs, fp8_lib.amax(rhs)))
+  y, lhs_amax, rhs_amax = _row_scaled_dot(lhs, rhs, dims, fwd, fwd,
+                                          recipe.margin, precision)
+  new = (fp8_lib.update_history(state.lhs, lhs_amax),
+         fp8_lib.update_history(state.rhs, rhs_amax))
   y = _constrain(y.astype(recipe.compute_dtype), out_sharding)
   return y, (lhs, rhs, new, state.grad)
 
@@ -188,11 +187,11 @@ def _row_bwd(recipe, dims, precision, out_sharding, res, g):
   lhs, rhs, (new_lhs, new_rhs), grad_history = res
   fwd, bwd, margin = recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
   (ldims, laxes), (rdims, raxes) = _grad_dims(dims, lhs.ndim, rhs.ndim)
-  dlhs = jnp.transpose(
-      _row_scaled_dot(g, rhs, ldims, bwd, fwd, margin, precision), laxes)
-  drhs = jnp.transpose(
-      _row_scaled_dot(g, lhs, rdims, bwd, fwd, margin, precision), raxes)
-  new_grad = fp8_lib.update_history(grad_history, fp8_lib.amax(g))
+  dlhs, g_amax, _ = _row_scaled_dot(g, rhs, ldims, bwd, fwd, margin,
+                                     precision)
+  drhs = _row_scaled_dot(g, lhs, rdims, bwd, fwd, margin, precision)[0]
+  dlhs, drhs = jnp.transpose(dlhs, laxes), jnp.transpose(drhs, raxes)
+  new_grad = fp8_lib.update_history(grad_history, g_amax)
   return (dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype),
           fp8_lib.FP8State(new_lhs, new_rhs, new_grad))
 

@@ -189,6 +189,35 @@ def _steps(r: dict[str, Any]) -> Optional[int]:
   return (r.get("config") or {}).get("steps")
 
 
+def _noise(r: dict[str, Any]) -> float:
+  return r.get("step_spread") or 0.0
+
+
+def _beyond(fast: dict[str, Any], slow: dict[str, Any]) -> bool:
+  """Whether `fast` beats `slow` by more than their spreads together."""
+  ratio = fast["speedup_vs_float32"] / slow["speedup_vs_float32"]
+  return ratio - 1.0 > _noise(fast) + _noise(slow)
+
+
+def _fastest(rows: list[dict[str, Any]]) -> str:
+  """The fastest JAX mode, named only if it is faster beyond the spread."""
+  best = max(rows, key=lambda r: r["speedup_vs_float32"])
+  base = next((r for r in rows if r["mode"] == "float32"), None)
+  spread = f"spread ±{_noise(best):.0%}"
+  if base is not None and base is not best and not _beyond(best, base):
+    return (f"no JAX mode is faster than float32 beyond the timing spread "
+            f"(the best, {best['mode']}, at {best['speedup_vs_float32']:.2f}x"
+            f" with {spread}, float32's ±{_noise(base):.0%})")
+  if base is best:
+    return "no JAX mode is faster than float32"
+  close = [r["mode"] for r in rows
+           if r is not best and r is not base and not _beyond(best, r)]
+  return (f"fastest JAX mode {best['mode']} at "
+          f"{best['speedup_vs_float32']:.2f}x float32's speed ({spread}"
+          + (f"; {', '.join(close)} within the spread" if close else "")
+          + ")")
+
+
 def verdict(runs: list[dict[str, Any]]) -> str:
   """One line: the fastest mode, and whether every mode trained."""
   ok = [r for r in runs if r.get("status") == "ok"]
@@ -200,9 +229,7 @@ def verdict(runs: list[dict[str, Any]]) -> str:
   jax_rows = [r for r in trained if r["framework"] == "jax"
               and r.get("speedup_vs_float32") is not None]
   if jax_rows:
-    best = max(jax_rows, key=lambda r: r["speedup_vs_float32"])
-    parts.append(f"fastest JAX mode {best['mode']} at "
-                 f"{best['speedup_vs_float32']:.2f}x float32's speed")
+    parts.append(_fastest(jax_rows))
   bad = [r["mode"] for r in ok if not math.isfinite(r["final_loss"])]
   if bad:
     parts.append(f"non-finite final loss in {', '.join(bad)}")
