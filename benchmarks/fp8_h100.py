@@ -2,9 +2,10 @@
 
 Compiles the train steps of the reference MLP (PyTorch AMP recipe sizes) and
 GPT for an H100 without a GPU (`jmp_amp.tools.gpu_report`: the CUDA plugin's
-compile-only target, GEMMs as cuBLAS calls), three ways, and lists the GEMMs
-of the optimized program with their operand dtypes (spelled as XLA does:
-``f8e4m3fn``):
+compile-only target, XLA's default options: GEMMs as Triton GEMM fusions or
+cuBLAS calls as XLA picks them, untuned since no GPU autotunes here), three
+ways, and lists the GEMMs of the optimized program with their operand dtypes
+(spelled as XLA does: ``f8e4m3fn``) and what each compiled to (``target``):
 
 * ``mlp``, ``gpt``: ``set_policies(model, {"*": "float8"}, example_args=...)``
   on the bf16 model (the first and last matmul layers, in call order,
@@ -17,8 +18,13 @@ of the optimized program with their operand dtypes (spelled as XLA does:
 
 Every FP8 layer of the first two should contribute three FP8 GEMMs: the
 forward ``f8e4m3fn x f8e4m3fn``, and in the backward pass the input gradient
-``f8e5m2 x f8e4m3fn`` and the weight gradient ``f8e4m3fn x f8e5m2``. Under
-autocast every GEMM should have FP8 operands.
+and the weight gradient, each with one ``f8e5m2`` operand (the gradient) and
+one ``f8e4m3fn``. Their role is told by shape, not by operand order: the
+weight gradient is the one whose result has the layer's kernel shape (XLA may
+swap a GEMM's operands: under the default options the weight gradient is
+spelled ``f8e5m2 x f8e4m3fn``, with cuBLAS ``f8e4m3fn x f8e5m2``;
+``wgrad_order`` records which). Under autocast every GEMM should have FP8
+operands.
 
 These are compiler facts (what XLA emits for an H100), not timings.
 
@@ -26,6 +32,11 @@ Run in a venv with the ``gpu-audit`` extra (``pip install -e ".[gpu-audit]"``)::
 
     JAX_PLATFORMS=cpu python benchmarks/fp8_h100.py \\
         [--out benchmarks/results/fp8_h100.json]
+
+``--gemm cublas`` compiles with Triton GEMMs off
+(``xla_gpu_enable_triton_gemm=False``, every GEMM a cuBLAS call: a
+configuration no GPU has unless asked for) and writes, labelled so,
+fp8_h100_cublas.json unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ import jmp_amp.flax
 from jmp_amp import models
 from jmp_amp.flax import fp8 as flax_fp8
 import jmp_amp.tools
+from jmp_amp.tools import gpu_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F8 = ("f8e4m3fn", "f8e5m2")
@@ -68,7 +80,38 @@ def _gemm(record) -> dict:
               out=_hlo_dtype(record.result_dtype), out_shape=out,
               k=(None if record.flops is None
                  else record.flops // (2 * math.prod(out))),
-              target=record.target)
+              target=record.target, layer=record.fp8_layer)
+
+
+def _role(g, kernel_shapes) -> str | None:
+  """"fwd", "dgrad" or "wgrad" of an FP8 layer's GEMM, None otherwise.
+
+  fwd: both operands f8e4m3fn. Backward: one f8e5m2 operand (the gradient)
+  and one f8e4m3fn, in either order; the weight gradient's result has the
+  layer's kernel shape (its dimensions in any order; a split-K GEMM adds a
+  leading dimension of partial sums), the input gradient's does not.
+  """
+  pair = sorted((g["lhs"], g["rhs"]))
+  if g["layer"] is None or any(d not in F8 for d in pair):
+    return None
+  if pair == ["f8e4m3fn", "f8e4m3fn"]:
+    return "fwd"
+  if pair != ["f8e4m3fn", "f8e5m2"]:
+    return None
+  kernel = kernel_shapes.get(g["layer"])
+  out = g["out_shape"]
+  if kernel is not None and len(out) == len(kernel) + 1:
+    out = out[1:]  # split-K: [splits, *kernel dims] partial sums
+  if kernel is not None and sorted(out) == sorted(kernel):
+    return "wgrad"
+  return "dgrad"
+
+
+def _kernel_shapes(model) -> dict:
+  """{layer path: its kernel's shape} of an abstract model."""
+  return {"/".join(map(str, path[:-1])): list(v.get_value().shape)
+          for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+          if path[-1] == "kernel"}
 
 
 def _train_step(loss_fn):
@@ -146,14 +189,16 @@ CASES = {"mlp": (_mlp_case, "set_fp8"), "gpt": (_gpt_case, "set_fp8"),
          "gpt-autocast": (_gpt_case, "autocast")}
 
 
-def run_case(name: str) -> dict:
+def run_case(name: str, gemm: str = "default") -> dict:
   case, how = CASES[name]
   build, batch, loss = case(how)
   # The paths of the FP8 layers: their policies (abstract histories have no
   # values to read).
+  abstract_model = nnx.eval_shape(build)
   fp8_layers = sorted(
-      p for p, pol in jmp_amp.flax.get_policies(nnx.eval_shape(build)).items()
+      p for p, pol in jmp_amp.flax.get_policies(abstract_model).items()
       if isinstance(pol, flax_fp8.FP8Policy))
+  kernel_shapes = _kernel_shapes(abstract_model)
   tx = optax.sgd(1e-3)
   if how == "autocast":
     # make_train_step needs loss_scaling; FP8 needs no loss scale.
@@ -161,21 +206,30 @@ def run_case(name: str) -> dict:
   graphdef, state = _abstract(build, tx)
   make_step = _autocast_train_step if how == "autocast" else _train_step
   report = jmp_amp.tools.gpu_report(make_step(loss), graphdef, state, batch,
-                                    static_argnums=0, donate_argnums=1)
+                                    static_argnums=0, donate_argnums=1,
+                                    gemm=gemm)
   gemms = [_gemm(r) for r in report.matmuls]
   sig = collections.Counter(f"{g['lhs']} x {g['rhs']} -> {g['out']}"
                             for g in gemms)
   n = len(fp8_layers)
-  fwd = sig_count(gemms, "f8e4m3fn", "f8e4m3fn")
-  dgrad = sig_count(gemms, "f8e5m2", "f8e4m3fn")
-  wgrad = sig_count(gemms, "f8e4m3fn", "f8e5m2")
+  roles = collections.Counter(_role(g, kernel_shapes) for g in gemms)
+  fwd, dgrad, wgrad = roles["fwd"], roles["dgrad"], roles["wgrad"]
+  wgrad_order = collections.Counter(
+      f"{g['lhs']} x {g['rhs']}" for g in gemms
+      if _role(g, kernel_shapes) == "wgrad")
   if how == "autocast":
     # No FP8 modules: every GEMM of the step should be FP8.
     n = None
     ok = bool(gemms) and all(g["lhs"] in F8 and g["rhs"] in F8
                              for g in gemms)
   else:
-    ok = fwd == dgrad == wgrad == n
+    # Each FP8 layer: exactly one GEMM of each role, all in that layer.
+    per_layer = collections.Counter(
+        (g["layer"], _role(g, kernel_shapes)) for g in gemms
+        if _role(g, kernel_shapes))
+    ok = (fwd == dgrad == wgrad == n and all(
+        per_layer[(layer, role)] == 1 for layer in fp8_layers
+        for role in ("fwd", "dgrad", "wgrad")))
   # The matmul audit's own spelling of the same GEMMs.
   audit = {"by_signature": report.matmuls.counts_by_signature()}
   return dict(
@@ -186,10 +240,12 @@ def run_case(name: str) -> dict:
       fp8_layers=fp8_layers,
       gemm_signatures=dict(sig),
       expected=(dict(every_gemm="f8 x f8") if n is None else
-                dict(fwd_e4m3_x_e4m3=n, dgrad_e5m2_x_e4m3=n,
-                     wgrad_e4m3_x_e5m2=n)),
-      found=dict(fwd_e4m3_x_e4m3=fwd, dgrad_e5m2_x_e4m3=dgrad,
-                 wgrad_e4m3_x_e5m2=wgrad),
+                dict(fwd=n, dgrad=n, wgrad=n)),
+      found=dict(fwd=fwd, dgrad=dgrad, wgrad=wgrad),
+      roles=("fwd: f8e4m3fn x f8e4m3fn; dgrad, wgrad: one f8e5m2 and one "
+             "f8e4m3fn operand in either order, wgrad the one whose result "
+             "has the layer's kernel shape"),
+      wgrad_order=dict(wgrad_order),
       every_fp8_layer_has_fp8_gemms=ok,
       fp8_gemm_targets=sorted({g["target"] for g in gemms
                                if g["lhs"] in F8}),
@@ -198,24 +254,35 @@ def run_case(name: str) -> dict:
       gemms=gemms)
 
 
-def sig_count(gemms, lhs, rhs):
-  return sum(g["lhs"] == lhs and g["rhs"] == rhs for g in gemms)
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--cases", nargs="*", default=list(CASES))
-  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
-                                           "fp8_h100.json"))
+  parser.add_argument("--gemm", choices=list(gpu_target.GEMM_BACKENDS),
+                      default="default",
+                      help="compiler options: XLA's default (Triton GEMMs) "
+                           "or cublas (Triton GEMMs off, labelled)")
+  parser.add_argument("--out", default=None,
+                      help="default benchmarks/results/fp8_h100.json "
+                           "(fp8_h100_cublas.json with --gemm cublas)")
   args = parser.parse_args(argv)
-  results = {"what": "cuBLAS GEMMs in the optimized XLA:GPU program of FP8 "
+  if args.out is None:
+    args.out = str(ROOT / "benchmarks" / "results" / (
+        "fp8_h100.json" if args.gemm == "default" else
+        f"fp8_h100_{args.gemm}.json"))
+  results = {"label": gpu_target.label("h100", args.gemm),
+             "gemm": args.gemm,
+             "gemm_options": gpu_target.GEMM_BACKENDS[args.gemm],
+             "what": "GEMMs in the optimized XLA:GPU program of FP8 "
                      "train steps, compiled for an H100 SXM without a GPU "
                      "(jmp_amp.tools.gpu_report, "
-                     "xla_gpu_enable_triton_gemm=False); "
-                     "compiler facts, not timings",
+                     + ("XLA's default options: Triton GEMM fusions or "
+                        "cuBLAS calls as XLA picks them, untuned since no "
+                        "GPU autotunes here" if args.gemm == "default" else
+                        "Triton GEMMs off: xla_gpu_enable_triton_gemm=False")
+                     + "); compiler facts, not timings",
              "jax": jax.__version__}
   for name in args.cases:
-    r = run_case(name)
+    r = run_case(name, args.gemm)
     results[name] = r
     print(f"== {name} ({r['applied_with']}): FP8 layers {r['fp8_layers']}")
     for s, c in sorted(r["gemm_signatures"].items()):
@@ -224,9 +291,10 @@ def main(argv=None):
       print(f"   expected: every GEMM f8 x f8 -> "
             f"{'OK' if r['every_fp8_layer_has_fp8_gemms'] else 'MISSING'}")
     else:
-      print(f"   expected per FP8 layer: 1 fwd e4m3xe4m3, 1 dgrad e5m2xe4m3,"
-            f" 1 wgrad e4m3xe5m2 -> found {r['found']} for "
-            f"{len(r['fp8_layers'])} layers: "
+      print(f"   expected per FP8 layer: 1 fwd e4m3xe4m3, 1 dgrad and 1 wgrad"
+            f" e5m2/e4m3 -> found {r['found']} for "
+            f"{len(r['fp8_layers'])} layers (wgrad spelled "
+            f"{r['wgrad_order']}): "
             f"{'OK' if r['every_fp8_layer_has_fp8_gemms'] else 'MISSING'}")
     print(f"   targets {r['fp8_gemm_targets']}; matmul_report "
           f"{r['matmul_report']}")

@@ -9,7 +9,10 @@ autocast-bf16, once with the loss as it was (float32 copy of the logits,
 `models.lm_loss` (float32 log-sum-exp fused into the reduction, gradient
 returned in the logits' dtype), and prints GPU temp memory and its ratio to
 float32. Compiler figures (`memory_analysis()` of the optimized XLA:GPU
-program), not timings: nothing runs on a GPU.
+program, XLA's default options: Triton GEMMs, untuned since no GPU autotunes
+here), not timings: nothing runs on a GPU. ``--gemm cublas`` compiles with
+Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``) and says so in its
+label.
 
 Run in a venv with the ``gpu-audit`` extra (``pip install -e ".[gpu-audit]"``)::
 
@@ -34,10 +37,10 @@ import optax
 
 import h100_compiled  # this script's directory: the same GPT step
 from jmp_amp.models import gpt as gpt_lib
+from jmp_amp.tools import gpu_target
 
 GPT = h100_compiled.GPT
 MODES = ("float32", "bf16", "autocast-bf16")
-LABEL = "compiled for H100, no GPU: compiler figures, not timings"
 
 
 def previous_lm_loss(logits, tokens):
@@ -51,8 +54,8 @@ LOSSES = {"previous (optax on float32 logits)": previous_lm_loss,
           "models.lm_loss": gpt_lib.lm_loss}
 
 
-def rows_for(loss_fn):
-  rows = h100_compiled.gpt_rows(MODES, loss_fn)
+def rows_for(loss_fn, gemm="default"):
+  rows = h100_compiled.gpt_rows(MODES, loss_fn, gemm)
   keep = ("mode", "status", "error", "temp_bytes", "temp_bytes_vs_float32",
           "argument_bytes", "kernels", "gemms_by_dtype", "half_gemm_flops")
   return [{k: r[k] for k in keep if k in r} for r in rows]
@@ -61,17 +64,24 @@ def rows_for(loss_fn):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", help="write the figures as JSON here")
+  parser.add_argument("--gemm", choices=list(gpu_target.GEMM_BACKENDS),
+                      default="default",
+                      help="compiler options: XLA's default (Triton GEMMs) "
+                           "or cublas (Triton GEMMs off, labelled)")
   args = parser.parse_args(argv)
-  out = {"label": LABEL, "jax_version": jax.__version__,
+  label = gpu_target.label("h100", args.gemm)
+  out = {"label": label, "gemm": args.gemm,
+         "gemm_options": gpu_target.GEMM_BACKENDS[args.gemm],
+         "jax_version": jax.__version__,
          "python": platform.python_version(),
          "made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
          "workload": "GPT decoder: d 1024, 4 layers, 16 heads, T 1024, batch "
                      "16, vocab 8192, adamw, state donated",
          "config": GPT, "losses": {}}
-  print(LABEL)
+  print(label)
   for name, loss_fn in LOSSES.items():
     t0 = time.time()
-    rows = rows_for(loss_fn)
+    rows = rows_for(loss_fn, args.gemm)
     out["losses"][name] = rows
     print(f"\nloss: {name} ({time.time() - t0:.0f} s to compile)")
     print(f"{'mode':<15}{'temp MiB':>10}{'vs float32':>12}{'kernels':>9}"

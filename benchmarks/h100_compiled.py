@@ -10,6 +10,12 @@ ratios to float32, for every mode of `jmp-amp bench` but float32-highest
 (FP8: ``fp8`` is ``mixed_rules() | {"*": "float8"}``, ``autocast-fp8`` is
 ``jmp_amp.autocast(..., "float8")``). Compiler figures, not timings.
 
+It compiles with XLA's default options, as a GPU does: GEMMs are Triton GEMM
+fusions or cuBLAS calls as XLA picks them, untuned since no GPU autotunes
+here. ``--gemm cublas`` turns Triton GEMMs off
+(``xla_gpu_enable_triton_gemm=False``, a configuration no GPU has unless
+asked for) and writes h100_compiled_cublas.{json,md,png}, labelled so.
+
     JAX_PLATFORMS=cpu python benchmarks/h100_compiled.py          # all, + plot
     python benchmarks/h100_compiled.py --plot-only     # plot + .md from the JSON
 
@@ -49,8 +55,9 @@ def bench_config(**sizes) -> workloads.Config:
   return workloads.Config(**{**base, **sizes})
 
 
-def gpt_rows(modes, loss_fn=None):
-  """The GPT step's rows, with `models.lm_loss` or another ``loss_fn``."""
+def gpt_rows(modes, loss_fn=None, gemm="default"):
+  """The GPT step's rows, with `models.lm_loss` or another ``loss_fn``,
+  compiled with the options `gemm` names (`gpu_target.GEMM_BACKENDS`)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jmp_amp.models import gpt as gpt_lib  # pylint: disable=g-import-not-at-top
   c = GPT
@@ -65,19 +72,26 @@ def gpt_rows(modes, loss_fn=None):
         example_args=(tokens,))
     return step, state, (tokens, tokens)
 
-  rows = [gpu.mode_report(name, build) for name in modes]
+  rows = [gpu.mode_report(name, build, gemm=gemm) for name in modes]
   gpu.add_ratios(rows)
   return rows
 
 
-def compile_all(workloads, modes):
-  out = {"label": gpu_target.label("h100"), "jax_version": jax.__version__,
+def compile_all(workloads, modes, gemm="default"):
+  out = {"label": gpu_target.label("h100", gemm), "gemm": gemm,
+         "gemm_options": gpu_target.GEMM_BACKENDS[gemm],
+         "jax_version": jax.__version__,
          "python": platform.python_version(),
          "made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
          "note": "Compiler figures for an H100 SXM target, no GPU, no "
                  "timings. bytes_estimate: every kernel reads its operands "
-                 "and writes its result once (loop bodies once). GEMMs are "
-                 "cuBLAS calls (xla_gpu_enable_triton_gemm=False).",
+                 "and writes its result once (loop bodies once). "
+                 + ("XLA's default options: GEMMs are Triton GEMM fusions or "
+                    "cuBLAS calls as XLA picks them, untuned (no GPU "
+                    "autotunes here)." if gemm == "default" else
+                    "Triton GEMMs off (xla_gpu_enable_triton_gemm=False): "
+                    "every GEMM a cuBLAS call, a configuration no GPU has "
+                    "unless asked for."),
          "workloads": {}}
   configs = {
       "mlp": ("seed MLP: width 4096, 3 layers, batch 512, MSE, SGD",
@@ -90,10 +104,10 @@ def compile_all(workloads, modes):
     if name == "gpt":
       description = ("GPT decoder: d 1024, 4 layers, 16 heads, T 1024, batch "
                      "16, vocab 8192, adamw")
-      rows, config = gpt_rows(modes), GPT
+      rows, config = gpt_rows(modes, gemm=gemm), GPT
     else:
       description, cfg = configs[name]
-      rows = gpu.workload_reports(name, cfg, modes)
+      rows = gpu.workload_reports(name, cfg, modes, gemm=gemm)
       config = {k: v for k, v in vars(cfg).items()
                 if k in ("width", "layers", "batch_size", "lr")}
     out["workloads"][name] = {"description": description, "config": config,
@@ -174,25 +188,30 @@ def main(argv=None):
                       choices=("mlp", "resnet", "gpt"))
   parser.add_argument("--mode", action="append", choices=list(workloads.JAX_MODES))
   parser.add_argument("--plot-only", action="store_true")
+  parser.add_argument("--gemm", choices=list(gpu_target.GEMM_BACKENDS),
+                      default="default",
+                      help="compiler options: XLA's default (Triton GEMMs) "
+                           "or cublas (Triton GEMMs off; files *_cublas.*)")
   parser.add_argument("--out", default=RESULTS)
   args = parser.parse_args(argv)
-  path = os.path.join(args.out, "h100_compiled.json")
+  stem = "h100_compiled" + ("" if args.gemm == "default" else f"_{args.gemm}")
+  path = os.path.join(args.out, f"{stem}.json")
   if args.plot_only:
     with open(path) as f:
       results = json.load(f)
   else:
     gpu.use_compile_only_cpu()
     results = compile_all(args.workload or ("mlp", "resnet", "gpt"),
-                          args.mode or MODES)
+                          args.mode or MODES, args.gemm)
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
       json.dump(results, f, indent=1, sort_keys=True, default=str)
     print("wrote", path)
-  with open(os.path.join(args.out, "h100_compiled.md"), "w") as f:
+  with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
     f.write(markdown(results))
   try:
-    plot(results, os.path.join(args.out, "h100_compiled.png"))
-    print("wrote", os.path.join(args.out, "h100_compiled.png"))
+    plot(results, os.path.join(args.out, f"{stem}.png"))
+    print("wrote", os.path.join(args.out, f"{stem}.png"))
   except ImportError:
     print("matplotlib is not installed: run again with --plot-only where it is")
 

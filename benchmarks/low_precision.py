@@ -11,7 +11,10 @@ Writes benchmarks/results/low_precision.json (each part updates its own key):
   kernels move. Two shapes: state-dominated (batch 2 x 256 tokens, where the
   persistent state is most of the memory: large models, small micro-batches)
   and the GPT of benchmarks/h100_compiled.py (batch 16 x 1024 tokens, where
-  activations dominate). Compiler figures, not timings.
+  activations dominate). Compiler figures, not timings, with XLA's default
+  options (Triton GEMMs, untuned since no GPU autotunes here); ``--gemm
+  cublas`` turns Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``) and
+  writes the key ``memory_cublas``, labelled so.
 * ``--part accuracy`` (CPU): scikit-learn's digits (MLP, Adam with a cosine
   schedule, mean over seeds) and a small GPT on the arithmetic-progression
   tokens of `jmp_amp.models.data.token_batch`, each trained with float32
@@ -86,7 +89,7 @@ SHAPES = {
 GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4)
 
 
-def memory_rows(shape):
+def memory_rows(shape, gemm="default"):
   from flax import nnx
   import jmp_amp.flax as jflax
   from jmp_amp.models import gpt as gpt_lib
@@ -100,7 +103,7 @@ def memory_rows(shape):
     jflax.set_policies(model, bf16_rules(param_dtype))
     step, state = workloads.nnx_step(model, gpt_lib.lm_loss, {"scale": None},
                                      tx)
-    report = jmp_amp.gpu_report(step, state, (tokens, tokens))
+    report = jmp_amp.gpu_report(step, state, (tokens, tokens), gemm=gemm)
     s = report.summary()
     rows.append(dict(recipe=name, argument_bytes=s["argument_bytes"],
                      temp_bytes=s["temp_bytes"],
@@ -118,13 +121,15 @@ def memory_rows(shape):
   return rows
 
 
-def part_memory(shapes, save):
+def part_memory(shapes, save, gemm="default"):
   from jmp_amp.tools import gpu_target
-  out = {"label": gpu_target.label("h100"), "model": GPT, "shapes": {}}
+  out = {"label": gpu_target.label("h100", gemm), "gemm": gemm,
+         "gemm_options": gpu_target.GEMM_BACKENDS[gemm], "model": GPT,
+         "shapes": {}}
   for shape_name in shapes:
     shape = SHAPES[shape_name]
     print(f"{shape_name}: {shape}", flush=True)
-    out["shapes"][shape_name] = dict(shape, rows=memory_rows(shape))
+    out["shapes"][shape_name] = dict(shape, rows=memory_rows(shape, gemm))
     save(out)
   from flax import nnx
   from jmp_amp.models import gpt as gpt_lib
@@ -339,7 +344,13 @@ def main(argv=None):
   parser.add_argument("--gpt-steps", type=int, default=600)
   parser.add_argument("--shapes", nargs="+", default=list(SHAPES),
                       choices=list(SHAPES), help="memory: the GPT shapes")
+  parser.add_argument("--gemm", choices=("default", "cublas"),
+                      default="default",
+                      help="memory: XLA's default options (Triton GEMMs) or "
+                           "cublas (Triton GEMMs off; key memory_cublas)")
   args = parser.parse_args(argv)
+  key = (f"memory_{args.gemm}" if args.part == "memory"
+         and args.gemm != "default" else args.part)
   results = {}
   if os.path.exists(args.out):
     with open(args.out) as f:
@@ -351,18 +362,18 @@ def main(argv=None):
                 python=platform.python_version(),
                 made=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=round(time.time() - t0))
-    results[args.part] = part
+    results[key] = part
     with open(args.out, "w") as f:
       json.dump(results, f, indent=1)
 
   if args.part == "memory":
-    part = part_memory(args.shapes, save)
+    part = part_memory(args.shapes, save, args.gemm)
   elif args.part == "accuracy":
     part = part_accuracy(args.seeds, args.digits_steps, args.gpt_steps)
   else:
     part = part_cost(rounds=7, steps_per_round=20)
   save(part)
-  print(f"wrote {args.out} [{args.part}]")
+  print(f"wrote {args.out} [{key}]")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ of the CUDA plugin, no GPU) twice: without telemetry, and with
 ``make_train_step(..., numerics="**")`` (output and param-gradient stats of
 every module). Written to benchmarks/results/numerics_bytes_h100.json: the
 compiler's estimate of bytes moved, kernels and temp memory of both, and
-their ratios (target: bytes <= 1.10x). Compiler figures, not timings.
+their ratios (target: bytes <= 1.10x). Compiler figures, not timings,
+compiled with XLA's default options (Triton GEMMs, untuned since no GPU
+autotunes here); ``--gemm cublas`` turns Triton GEMMs off
+(``xla_gpu_enable_triton_gemm=False``) and says so in the label.
 
     JAX_PLATFORMS=cpu python benchmarks/numerics_bytes.py
     python3 benchmarks/numerics_bytes.py --out $OUT/x.json    # on a GPU
@@ -77,8 +80,9 @@ def _report(factory, loss_fn, batch, numerics, compile_fn):
   return compile_fn(pure, abstract, batch)
 
 
-def _h100(pure, state, batch):
-  s = jmp_amp.gpu_report(pure, state, batch, donate_argnums=0).summary()
+def _h100(pure, state, batch, gemm="default"):
+  s = jmp_amp.gpu_report(pure, state, batch, donate_argnums=0,
+                         gemm=gemm).summary()
   return {k: s[k] for k in ("bytes_estimate", "kernels", "temp_bytes")}
 
 
@@ -96,12 +100,21 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None)
   parser.add_argument("--workloads", default="mlp,resnet,gpt")
+  parser.add_argument("--gemm", choices=list(gpu_target.GEMM_BACKENDS),
+                      default="default",
+                      help="compile-only H100: XLA's default options "
+                           "(Triton GEMMs) or cublas (Triton GEMMs off, "
+                           "labelled; written to numerics_bytes_h100_cublas"
+                           ".json unless --out)")
   args = parser.parse_args()
   on_gpu = jax.default_backend() == "gpu"
-  compile_fn = _on_device if on_gpu else _h100
+  compile_fn = (_on_device if on_gpu else
+                lambda *a: _h100(*a, gemm=args.gemm))
   key = "bytes_accessed" if on_gpu else "bytes_estimate"
   out = {"label": (str(jax.devices()[0].device_kind) if on_gpu
-                   else gpu_target.label("h100")),
+                   else gpu_target.label("h100", args.gemm)),
+         **({} if on_gpu else {"gemm": args.gemm, "gemm_options":
+                               gpu_target.GEMM_BACKENDS[args.gemm]}),
          "jax_version": jax.__version__, "python": platform.python_version(),
          "made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
          "note": ("float16 train steps (mixed_rules('float16'), dynamic loss "
@@ -125,7 +138,8 @@ def main():
           f"{row['temp_ratio']}, ({time.time() - t0:.0f} s)", flush=True)
   out["max_bytes_ratio"] = max(r["bytes_ratio"]
                                for r in out["workloads"].values())
-  path = args.out or OUT
+  path = args.out or (OUT if on_gpu or args.gemm == "default" else
+                      OUT.replace(".json", f"_{args.gemm}.json"))
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
     f.write("\n")

@@ -40,6 +40,10 @@ Targets:
   CPU-only machine (`jmp_amp.tools.gpu_report`'s compile-only target, the
   ``gpu-audit`` extra) and reports kernels, GEMMs, temp memory and an
   estimate of the bytes the kernels move: compiler facts, not timings.
+  XLA's default options (Triton GEMMs, untuned since no GPU autotunes
+  here); ``--gemm cublas`` turns Triton GEMMs off
+  (``xla_gpu_enable_triton_gemm=False``), for this target and for
+  ``compile-h100``, and the JSON's ``env.target`` says so.
 * ``--target compile``: the CPU time to trace, lower and compile one update
   over many small leaves (Adam over 300, SGD over 1000) and of the whole train
   step of a GPT with 24 unscanned blocks, against bare optax's;
@@ -463,7 +467,7 @@ def run_cpu(workload, rounds, steps, skip=(), device="cpu"):
 # H100, compiled on this CPU-only machine (no GPU, no timing).
 
 
-def run_h100(workload, skip=(), dump=None):
+def run_h100(workload, skip=(), dump=None, gemm="default"):
   from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
   widths, batch_size, opt_name, lr = WORKLOADS[workload]
   spec = lambda t: jax.tree_util.tree_map(
@@ -486,12 +490,12 @@ def run_h100(workload, skip=(), dump=None):
             jax.tree_util.tree_unflatten(treedef, leaves), batch)
         return jax.tree_util.tree_leaves(new), skipped
       compiled = gpu_target.compile_for_gpu(flat_step, spec(leaves), batch,
-                                            donate_argnums=(0,))
+                                            donate_argnums=(0,), gemm=gemm)
       if dump:
         with open(os.path.join(dump, f"{workload}_{name.replace(' ', '_')}"
                                ".hlo.txt"), "w") as f:
           f.write(compiled.as_text())
-      report = gpu_target.report_from_compiled(compiled)
+      report = gpu_target.report_from_compiled(compiled, gemm=gemm)
     except Exception as e:  # pylint: disable=broad-except
       errors[name] = f"{type(e).__name__}: {e}"[:300]
       continue
@@ -520,7 +524,7 @@ def init_params_shapes(widths):
 # --------------------------------------------------------------------------
 
 
-def environment(target):
+def environment(target, gemm="default"):
   env = {"jax": jax.__version__, "optax": optax.__version__,
          "backend": jax.default_backend(),
          "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
@@ -534,8 +538,15 @@ def environment(target):
   if target == "gpu":
     env["device"] = jax.devices()[0].device_kind
   if target in ("h100", "compile-h100"):
-    env["target"] = "H100 SXM, compiled on a CPU-only machine (no GPU): " \
-                    "compiler figures, not timings"
+    from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
+    env["target"] = ("H100 SXM, " + gpu_target.label("h100", gemm)
+                     if target == "h100" else
+                     "H100 SXM, compiled on a CPU-only machine (no GPU), "
+                     + gpu_target.label("h100", gemm).split(", ", 2)[2]
+                     .split(":")[0] + ": CPU seconds to compile, no GPU "
+                     "timings")
+    env["gemm"] = gemm
+    env["gemm_options"] = gpu_target.GEMM_BACKENDS[gemm]
   if target != "h100":
     try:
       with open("/proc/cpuinfo") as f:
@@ -604,7 +615,7 @@ def _gpt_step(opt):
   return step, (params, state, tokens)
 
 
-def compile_seconds(opt, leaves, target="cpu"):
+def compile_seconds(opt, leaves, target="cpu", gemm="default"):
   """CPU seconds to trace, lower and compile one step (an update over
   `leaves` leaves, or the GPT's train step if None), for this machine's CPU or
   (``target="h100"``) for an H100 through the compile-only target."""
@@ -613,7 +624,7 @@ def compile_seconds(opt, leaves, target="cpu"):
   start = _cpu_seconds()
   if target == "h100":
     from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
-    gpu_target.compile_for_gpu(step, *args)
+    gpu_target.compile_for_gpu(step, *args, gemm=gemm)
   else:
     jax.jit(step).trace(*args).lower().compile()
   return _cpu_seconds() - start
@@ -635,7 +646,7 @@ def unscale_only(inner, scale):
   return optax.GradientTransformation(init, update)
 
 
-def run_compile(case, rounds, target="cpu"):
+def run_compile(case, rounds, target="cpu", gemm="default"):
   """Compile time of each variant against bare optax, interleaved rounds."""
   opt_name, leaves = COMPILE_CASES[case]
   inner = lambda: make_optax(opt_name, 1e-3)
@@ -651,7 +662,8 @@ def run_compile(case, rounds, target="cpu"):
   for r in range(rounds):
     names = list(variants)
     for name in names[r % len(names):] + names[:r % len(names)]:
-      seconds[name].append(compile_seconds(variants[name](), leaves, target))
+      seconds[name].append(compile_seconds(variants[name](), leaves, target,
+                                           gemm))
   results = {}
   for name, times in seconds.items():
     ratios = [t / b for t, b in zip(times, seconds["optax"])]
@@ -680,11 +692,15 @@ def main(argv=None):
   ap.add_argument("--json", default=None)
   ap.add_argument("--dump", default=None,
                   help="h100: directory for the optimized HLO of each step")
+  ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
+                  help="h100, compile-h100: XLA's default options (Triton "
+                       "GEMMs) or cublas (Triton GEMMs off, labelled)")
   a = ap.parse_args(argv)
   skip = tuple(s for s in a.skip.split(",") if s)
   default = "adam20m,seed-cpu" if a.target == "cpu" else "adam20m,seed"
   workloads = (a.workloads or default).split(",")
-  report = {"env": environment(a.target), "target": a.target, "workloads": []}
+  report = {"env": environment(a.target, a.gemm), "target": a.target,
+            "workloads": []}
   if a.target.startswith("compile"):
     device = "h100" if a.target == "compile-h100" else "cpu"
     report["method"] = (
@@ -696,7 +712,7 @@ def main(argv=None):
         "rotating); ratio to bare optax taken within a round, median over "
         "rounds")
     for w in (a.workloads or ",".join(COMPILE_CASES)).split(","):
-      report["workloads"].append(run_compile(w, a.rounds, device))
+      report["workloads"].append(run_compile(w, a.rounds, device, a.gemm))
   elif a.target in ("cpu", "gpu"):
     report["method"] = (
         "interleaved rounds in one process; each round runs every variant for "
@@ -710,13 +726,15 @@ def main(argv=None):
       print_rows({"workloads": report["workloads"][-1:]})
   else:
     report["method"] = (
-        "compiled for an H100 without a GPU (jmp_amp.tools.gpu_target: cuBLAS "
-        "GEMMs, donated state); kernels = launches of the optimized HLO "
+        "compiled for an H100 without a GPU (jmp_amp.tools.gpu_target, "
+        + ("XLA's default options: Triton GEMMs, untuned" if a.gemm ==
+           "default" else "Triton GEMMs off: cuBLAS GEMMs")
+        + ", donated state); kernels = launches of the optimized HLO "
         "(fusions, library calls, unfused ops; a loop body once); "
         "bytes_estimate = every kernel reads its operands and writes its "
         "result once. Compiler figures, not timings.")
     for w in workloads:
-      report["workloads"].append(run_h100(w, skip, a.dump))
+      report["workloads"].append(run_h100(w, skip, a.dump, a.gemm))
       print_rows({"workloads": report["workloads"][-1:]})
   if a.json:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
