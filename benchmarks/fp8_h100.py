@@ -149,7 +149,7 @@ def _abstract(build, tx):
 
 
 def _apply(how, model, example_args):
-  if how == "set_fp8":
+  if how == "float8":
     return jmp_amp.flax.set_policies(model, {"*": "float8"},
                                      example_args=example_args)
   if how == "rules":
@@ -165,7 +165,7 @@ def _mlp_case(how):
 
   def build():
     model = models.MLP(4096, 4096, num_layers=3, rngs=nnx.Rngs(0),
-                       dtype=jnp.bfloat16 if how == "set_fp8" else None)
+                       dtype=jnp.bfloat16 if how == "float8" else None)
     return _apply(how, model, batch[:1])
   loss = lambda m, b: models.mse_loss(m(b[0]), b[1])
   return build, batch, loss
@@ -177,13 +177,13 @@ def _gpt_case(how):
   def build():
     model = models.GPT(vocab_size=8192, d_model=1024, num_heads=16,
                        num_layers=4, max_len=1024, rngs=nnx.Rngs(0),
-                       dtype=jnp.bfloat16 if how == "set_fp8" else None)
+                       dtype=jnp.bfloat16 if how == "float8" else None)
     return _apply(how, model, (batch,))
   loss = lambda m, b: models.lm_loss(m(b), b)
   return build, batch, loss
 
 
-CASES = {"mlp": (_mlp_case, "set_fp8"), "gpt": (_gpt_case, "set_fp8"),
+CASES = {"mlp": (_mlp_case, "float8"), "gpt": (_gpt_case, "float8"),
          "mlp-rules": (_mlp_case, "rules"), "gpt-rules": (_gpt_case, "rules"),
          "mlp-autocast": (_mlp_case, "autocast"),
          "gpt-autocast": (_gpt_case, "autocast")}
@@ -233,7 +233,7 @@ def run_case(name: str, gemm: str = "default") -> dict:
   # The matmul audit's own spelling of the same GEMMs.
   audit = {"by_signature": report.matmuls.counts_by_signature()}
   return dict(
-      applied_with={"set_fp8": "jmp_amp.flax.set_policies({'*': 'float8'})",
+      applied_with={"float8": "jmp_amp.flax.set_policies({'*': 'float8'})",
                     "rules": "jmp_amp.flax.set_policies(mixed_rules() | "
                              "{'*': 'float8'})",
                     "autocast": "make_train_step(autocast='float8')"}[how],

@@ -9,7 +9,6 @@ integration lives in `jmp_amp.flax`, which this module does not import.
 
 from jmp_amp import fp8
 from jmp_amp import optim
-from jmp_amp._src import deprecation as _deprecation
 from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
 from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
@@ -26,13 +25,11 @@ from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
 from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
-from jmp_amp._src.scaling_state import get_loss_scale  # Deprecated, see below.
 from jmp_amp._src.scaling_state import get_scaling_state
 from jmp_amp._src.scaling_state import scaled_value_and_grad
 from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
-from jmp_amp import tools as _tools
 from jmp_amp.tools import gpu_report
 from jmp_amp.tools import matmul_report
 
@@ -67,21 +64,3 @@ __all__ = (
     "gpu_report",
     "matmul_report",
 )
-
-# Deprecated aliases, kept for one release (not in __all__). Classes are the
-# same objects as their replacements.
-FP8Recipe = fp8.FP8Recipe  # Use jmp_amp.fp8.FP8Recipe.
-FP8State = fp8.FP8State  # Use jmp_amp.fp8.FP8State.
-GpuReport = _tools.GpuReport  # Use jmp_amp.tools.GpuReport.
-MatmulRecord = _tools.MatmulRecord  # Use jmp_amp.tools.MatmulRecord.
-MatmulReport = _tools.MatmulReport  # Use jmp_amp.tools.MatmulReport.
-delayed_scaling = _deprecation.deprecated(
-    fp8.delayed_scaling, "jmp_amp.delayed_scaling",
-    "jmp_amp.fp8.delayed_scaling")
-fp8_conv_general_dilated = _deprecation.deprecated(
-    fp8.conv_general_dilated, "jmp_amp.fp8_conv_general_dilated",
-    "jmp_amp.fp8.conv_general_dilated")
-fp8_dot_general = _deprecation.deprecated(
-    fp8.dot_general, "jmp_amp.fp8_dot_general", "jmp_amp.fp8.dot_general")
-fp8_einsum = _deprecation.deprecated(
-    fp8.einsum, "jmp_amp.fp8_einsum", "jmp_amp.fp8.einsum")

@@ -1,4 +1,5 @@
-"""The docs stay true: README.md and docs/*.md, checked by one mechanism.
+"""The docs stay true: every Markdown file of the repo (README.md, docs/*.md,
+benchmarks/README.md, CHANGELOG.md, ...), checked by one mechanism.
 
 Code. Every ```python block runs, in a fresh namespace, unless the line
 before it says ``<!-- docs: continue -->`` (it then runs after the page's
@@ -19,7 +20,7 @@ before the marker. Ratios, percentages, sizes and times in the prose without a
 marker fail too. Figures of the tools' own output are ```text output blocks.
 
 Also: every ``jmp_amp.name`` the prose mentions is public (in its module's
-``__all__``), deprecated names appear nowhere, relative links resolve, every
+``__all__``), removed names appear nowhere, relative links resolve, every
 `jmp-amp bench` line parses with the bench's own parser, and the docstring
 examples of the package are in the default test run.
 """
@@ -37,6 +38,7 @@ import json
 import pathlib
 import re
 import shlex
+import subprocess
 import warnings
 from typing import Any, Optional
 
@@ -49,8 +51,25 @@ from jmp_amp.tools.bench import cli as bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-PAGES = ["README.md"] + sorted(
-    f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+_NOT_PAGES = (".venv", "build", "dist", "node_modules")
+
+
+def _pages() -> list[str]:
+  """Every Markdown file of the repo: git's list, else the tree's."""
+  try:
+    listed = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, text=True,
+                            capture_output=True, check=True).stdout.split()
+  except (OSError, subprocess.CalledProcessError):
+    listed = []
+  if not listed:  # an unpacked sdist: no git
+    listed = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.md")
+              if not any(part.startswith(".") or part in _NOT_PAGES
+                         or part.endswith(".egg-info")
+                         for part in p.relative_to(ROOT).parts)]
+  return sorted(p for p in listed if (ROOT / p).is_file())
+
+
+PAGES = _pages()
 
 
 def _has_h100_target() -> bool:
@@ -69,10 +88,22 @@ REQUIREMENTS = {
     "gpu": lambda: jax.default_backend() == "gpu",
     "gpu-audit": _has_h100_target,
 }
-# Names that are deprecated: the docs teach their replacements only.
-DEPRECATED = ("get_loss_scale", "set_fp8", "fp8_rules", "clear_fp8",
-              "policy_of", "policied_apply", "fp8_value_and_grad",
-              "update_fp8_state", "fp8_modules", "fp8_histories")
+# Names removed before the first release (issue 36): the docs teach what
+# replaced them only. Old function names are banned anywhere; names that live
+# on elsewhere (jmp_amp.fp8.FP8Recipe) only where they were (jmp_amp.FP8Recipe,
+# `jmp.FP8Recipe` with `import jmp_amp as jmp`, or imported from there).
+REMOVED = ("get_loss_scale", "set_fp8", "fp8_rules", "clear_fp8",
+           "policy_of", "policied_apply", "fp8_value_and_grad",
+           "update_fp8_state", "fp8_modules", "fp8_histories",
+           "fp8_dot_general", "fp8_einsum", "fp8_conv_general_dilated")
+REMOVED_FROM = {
+    "jmp_amp": ("FP8Recipe", "FP8State", "GpuReport", "MatmulRecord",
+                "MatmulReport", "delayed_scaling"),
+    "jmp_amp.flax": ("FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum",
+                     "FP8Meta", "FP8Op", "FP8Policy", "NORM_CLASSES",
+                     "PolicyRules", "TrainState"),
+    "jmp_amp.flax.fp8": ("FP8Recipe", "FP8State", "delayed_scaling"),
+}
 # Blocks of pages kept by others that do not run as written yet, by page and
 # first line, with the reason. Strict: once such a block runs, its entry must
 # go; once it is edited, it must run.
@@ -80,6 +111,9 @@ NOT_YET_RUNNABLE: dict = {}
 # Pages whose prose quotes figures that no file in benchmarks/results holds
 # (they come from test runs), with the reason.
 UNCHECKED_FIGURES = {
+    "benchmarks/results/h100_compiled.md": "a results file itself, the "
+                                           "table benchmarks/h100_compiled.py "
+                                           "writes from h100_compiled.json",
     "docs/reliability.md": "figures of tests/test_checkpoint.py's slow run "
                            "and of tests/test_adversarial.py, kept by the "
                            "checkpoint engineer",
@@ -171,7 +205,7 @@ def run_chain(chain: list[tuple[Block, Optional[Block]]]) -> None:
   for block, output in chain:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), warnings.catch_warnings():
-      # jmp_amp's deprecated aliases warn so; the docs teach what replaces them.
+      # Should jmp_amp deprecate a name, the docs teach what replaces it.
       warnings.filterwarnings("error", "jmp_amp.* is deprecated",
                               DeprecationWarning)
       exec(compile(block.source, f"{block.page}:{block.line}", "exec"),  # pylint: disable=exec-used
@@ -300,7 +334,10 @@ def _chain_param(chain):
 
 
 def test_every_page_is_checked():
-  assert "README.md" in PAGES and len(PAGES) >= 8, PAGES
+  for page in ("README.md", "CHANGELOG.md", "benchmarks/README.md",
+               "docs/fp8.md"):
+    assert page in PAGES, PAGES
+  assert len(PAGES) >= 12, PAGES
   assert len(CHAINS) >= 20, "fewer runnable examples than expected"
 
 
@@ -403,11 +440,41 @@ def test_relative_links_resolve(page):
   assert not broken, f"{page}: broken links {broken}"
 
 
+def removed_names(text: str) -> list[str]:
+  """The removed names `text` mentions."""
+  used = {n for n in REMOVED if re.search(rf"\b{n}\b", text)}
+  for module, names in REMOVED_FROM.items():
+    prefixes = [module] + (["jmp"] if module == "jmp_amp" else [])
+    for name in names:
+      if any(re.search(rf"(?<![\w.]){re.escape(p)}\.{name}\b", text)
+             for p in prefixes):
+        used.add(f"{module}.{name}")
+    for imported in re.findall(
+        rf"\bfrom\s+{re.escape(module)}\s+import\s+\(?([\w\s,]+)", text):
+      used.update(f"{module}.{n}" for n in re.findall(r"\w+", imported)
+                  if n in names)
+  return sorted(used)
+
+
 @pytest.mark.parametrize("page", PAGES)
-def test_no_deprecated_names(page):
-  used = sorted({n for n in DEPRECATED
-                 if re.search(rf"\b{n}\b", read(page))})
-  assert not used, f"{page} teaches deprecated names {used}"
+def test_no_removed_names(page):
+  used = removed_names(read(page))
+  assert not used, f"{page} teaches removed names {used}"
+
+
+def test_removed_names_are_found():
+  text = ("jmp_amp.flax.fp8.set_fp8(m); jmp.FP8Recipe(); x = "
+          "jmp_amp.flax.FP8Policy()\nfrom jmp_amp import (GpuReport,\n"
+          "  loss_scaling)\nfrom jmp_amp.flax.fp8 import FP8Recipe")
+  assert removed_names(text) == [
+      "jmp_amp.FP8Recipe", "jmp_amp.GpuReport", "jmp_amp.flax.FP8Policy",
+      "jmp_amp.flax.fp8.FP8Recipe", "set_fp8"]
+  # Their current homes are fine.
+  assert not removed_names(
+      "jmp_amp.fp8.FP8Recipe, jmp_amp.tools.GpuReport, "
+      "jmp_amp.flax.fp8.FP8Policy, jmp_amp.fp8.delayed_scaling(16), "
+      "jmp_amp.flax.rules.PolicyRules, from jmp_amp.fp8 import FP8Recipe, "
+      "from jmp_amp.flax import fp8")
 
 
 def public(name: str) -> Any:

@@ -498,9 +498,6 @@ def test_first_and_last_are_by_call_order(rules):
   with pytest.raises(ValueError, match=r"depends on the order "
                      r"_NamedAgainstCallOrder calls them.*pass example_args"):
     jmp_amp.flax.set_policies(build(), rules)
-  with pytest.warns(DeprecationWarning), pytest.raises(
-      ValueError, match="pass example_args"):
-    flax_fp8.set_fp8(build())
   # Not asked to keep the ends: no order needed.
   everything = jmp_amp.flax.set_policies(
       build(), flax_fp8.FP8Policy(keep_first_last=False))
@@ -623,81 +620,59 @@ def test_fp8_rules_name_embeddings_and_norms_only_to_raise():
 # FP8 through set_policies rules.
 
 
-@pytest.mark.parametrize("build,example", [
-    (_mlp, None),
-    (_gpt, (jax.ShapeDtypeStruct((2, 8), jnp.int32),)),
+@pytest.mark.parametrize("build,example,want", [
+    (_mlp, None, ["layers/1", "layers/2"]),
+    # blocks/0/attn/qkv is the first matmul, blocks/1/mlp/out the last.
+    (_gpt, (jax.ShapeDtypeStruct((2, 8), jnp.int32),),
+     ["blocks/0/attn/proj", "blocks/0/mlp/fc", "blocks/0/mlp/out",
+      "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc"]),
 ])
 @pytest.mark.parametrize("recipe", [None, fp8.delayed_scaling(history_len=3)])
-def test_rules_and_deprecated_set_fp8_convert_the_same_modules(build, example,
-                                                               recipe):
+def test_mixed_rules_with_an_fp8_default(build, example, want, recipe):
   rules = jmp_amp.flax.mixed_rules() | {"*": recipe or "float8"}
-  by_rules = jmp_amp.flax.set_policies(build(), rules, example_args=example)
-  with pytest.warns(DeprecationWarning, match="set_fp8 is deprecated"):
-    by_fp8 = flax_fp8.set_fp8(build(), recipe, example_args=example)
-  paths = _fp8_paths(by_rules)
-  assert paths == _fp8_paths(by_fp8)
-  assert len(paths) in (2, 6)
-  # The same FP8 state (paths, shapes): checkpoints are interchangeable.
-  shapes = lambda m: jax.tree_util.tree_map(
-      jnp.shape, nnx.to_pure_dict(nnx.state(m, flax_fp8.FP8Meta)))
-  assert shapes(by_rules) == shapes(by_fp8)
-  for path, policy in jmp_amp.flax.get_policies(by_rules).items():
+  model = jmp_amp.flax.set_policies(build(), rules, example_args=example)
+  paths = _fp8_paths(model)
+  assert paths == want
+  history_len = 3 if recipe else 1
+  shapes = jax.tree_util.tree_map(
+      jnp.shape, nnx.to_pure_dict(nnx.state(model, flax_fp8.FP8Meta)))
+  leaves = jax.tree_util.tree_leaves(
+      shapes, is_leaf=lambda x: isinstance(x, tuple))
+  assert leaves == [(history_len,)] * (3 * len(want))  # lhs, rhs, grad
+  for path, policy in jmp_amp.flax.get_policies(model).items():
     if path in paths:
       assert policy == flax_fp8.FP8Policy(recipe), path
     elif policy is not None:
       assert isinstance(policy, jmp_amp.Policy), (path, policy)
-  # set_fp8 leaves the other modules as they are.
-  policies = jmp_amp.flax.get_policies(by_fp8)
-  assert {p for p, pol in policies.items() if pol is not None} == set(paths)
 
 
-def test_deprecated_set_fp8_selects_in_the_rules_glob_dialect():
+def test_fp8_rules_select_in_the_glob_dialect():
+  everywhere = flax_fp8.FP8Policy(keep_first_last=False)
   model = _gpt()
-  with pytest.warns(DeprecationWarning):
-    flax_fp8.set_fp8(model, include=["blocks/*/mlp/*"], exclude=["**/out"])
+  # What the rules do not decide keeps its policy (none); exact paths
+  # outrank globs.
+  jmp_amp.flax.set_policies(model, {"blocks/*/mlp/*": everywhere,
+                                    "blocks/0/mlp/out": None,
+                                    "blocks/1/mlp/out": None})
   assert _fp8_paths(model) == ["blocks/0/mlp/fc", "blocks/1/mlp/fc"]
+  policies = jmp_amp.flax.get_policies(model)
+  assert {p for p, pol in policies.items() if pol is not None} == {
+      "blocks/0/mlp/fc", "blocks/1/mlp/fc"}
   # `*` stays within a segment: "*/out" names no module of the GPT.
-  with pytest.warns(DeprecationWarning), pytest.raises(
-      ValueError, match=r"exclude selector '\*/out' matches no module"):
-    flax_fp8.set_fp8(model, include=["blocks/*/mlp/*"], exclude=["*/out"])
-  # Applying again replaces the previous set-up.
-  with pytest.warns(DeprecationWarning):
-    flax_fp8.set_fp8(model, include=[nnx.Linear], exclude=["blocks/0/**"])
+  with pytest.raises(ValueError, match=r"rule '\*/out' -> None matched no "
+                     r"module of GPT: no module path matches it"):
+    jmp_amp.flax.set_policies(model, {"blocks/*/mlp/*": everywhere,
+                                      "*/out": None}, strict=True)
+  # Applying again replaces the previous set-up; a glob outranks a class.
+  jmp_amp.flax.set_policies(model, {nnx.Linear: everywhere,
+                                    "blocks/0/**": None})
   assert _fp8_paths(model) == [
       "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc",
       "blocks/1/mlp/out"]
   assert model.blocks[0].mlp.fc.dot_general is jax.lax.dot_general
   assert model.blocks[0].mlp.fc.dtype is None
-  # clear_fp8 is clear_policies.
-  with pytest.warns(DeprecationWarning,
-                    match="instead use jmp_amp.flax.clear_policies"):
-    flax_fp8.clear_fp8(model)
+  jmp_amp.flax.clear_policies(model)
   assert nnx.graphdef(model) == nnx.graphdef(_gpt())
-  # A model it converts nothing of warns, saying why.
-  with pytest.warns(DeprecationWarning), pytest.warns(
-      UserWarning, match="FP8 converted no layer of MLP: its only matmul "
-      "modules are its first and last"):
-    flax_fp8.set_fp8(_mlp(num_layers=2))
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_deprecated_set_fp8_bad_selectors_raise():
-  with pytest.raises(ValueError, match="include selector 'encoder/\\*' "
-                     "matches no module"):
-    flax_fp8.set_fp8(_mlp(), include=["encoder/*"])
-  with pytest.raises(TypeError, match="include entries must be path patterns"):
-    flax_fp8.set_fp8(_mlp(), include=[3])
-  with pytest.raises(TypeError, match="recipe must be an FP8Recipe"):
-    flax_fp8.set_fp8(_mlp(), "sometimes")
-  with pytest.raises(TypeError, match="set_fp8 expects an nnx.Module"):
-    flax_fp8.set_fp8({"w": jnp.ones(2)})
-  gpt = _gpt()
-  with pytest.raises(ValueError, match="FP8 cannot handle module 'embed' of "
-                     "type Embed"):
-    flax_fp8.set_fp8(gpt, include=["embed", "blocks/0/mlp/fc"])
-  with pytest.raises(ValueError, match="FP8 cannot handle module '<root>' of "
-                     "type Embed"):
-    flax_fp8.set_fp8(nnx.Embed(8, 4, rngs=nnx.Rngs(0)), include=["*"])
 
 
 @pytest.mark.slow

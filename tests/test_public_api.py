@@ -17,18 +17,17 @@ so a checker that flags nothing fails.
 The public names are pinned too (issue 22: one way to do each thing): the
 ``__all__`` of `jmp_amp` (jmp's 11 names and 12 of ours) and `jmp_amp.flax`
 together hold at most 32 names, FP8 lives in `jmp_amp.fp8` and
-`jmp_amp.flax.fp8`, and every name that went away is still there for one
-release: a function that warns (DeprecationWarning naming its replacement),
-or a class or constant that is its replacement.
+`jmp_amp.flax.fp8`, and the aliases that the names had before the first
+release (issue 36) are gone from every module.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import pathlib
 import textwrap
-import warnings
 
 import pytest
 
@@ -390,82 +389,40 @@ def test_public_names_are_pinned_and_at_most_32():
       assert getattr(module, name) is not None, (module.__name__, name)
 
 
-def _deprecated():
-  """(module, old name, replacement object or None, replacement text)."""
-  jflax = _flax()
-  fp8, tools, flax_fp8 = jmp_amp.fp8, jmp_amp.tools, jflax.fp8
-  classes = [
-      (jmp_amp, "FP8Recipe", fp8.FP8Recipe),
-      (jmp_amp, "FP8State", fp8.FP8State),
-      (jmp_amp, "GpuReport", tools.GpuReport),
-      (jmp_amp, "MatmulRecord", tools.MatmulRecord),
-      (jmp_amp, "MatmulReport", tools.MatmulReport),
-      (jflax, "FP8ConvGeneralDilated", flax_fp8.FP8ConvGeneralDilated),
-      (jflax, "FP8DotGeneral", flax_fp8.FP8DotGeneral),
-      (jflax, "FP8Einsum", flax_fp8.FP8Einsum),
-      (jflax, "FP8Meta", flax_fp8.FP8Meta),
-      (jflax, "FP8Op", flax_fp8.FP8Op),
-      (jflax, "FP8Policy", flax_fp8.FP8Policy),
-      (jflax, "NORM_CLASSES", jflax.rules.NORM_CLASSES),
-      (jflax, "PolicyRules", jflax.rules.PolicyRules),
-      (jflax, "TrainState", jflax.train.TrainState),
-      (flax_fp8, "FP8Recipe", fp8.FP8Recipe),
-      (flax_fp8, "FP8State", fp8.FP8State),
-  ]
-  functions = [
-      (jmp_amp, "delayed_scaling", "jmp_amp.fp8.delayed_scaling"),
-      (jmp_amp, "fp8_conv_general_dilated",
-       "jmp_amp.fp8.conv_general_dilated"),
-      (jmp_amp, "fp8_dot_general", "jmp_amp.fp8.dot_general"),
-      (jmp_amp, "fp8_einsum", "jmp_amp.fp8.einsum"),
-      (jmp_amp, "get_loss_scale", "get_scaling_state"),
-      (jflax, "clear_fp8", "jmp_amp.flax.clear_policies"),
-      (jflax, "fp8_histories", "jmp_amp.flax.fp8.histories"),
-      (jflax, "fp8_modules", "jmp_amp.flax.fp8.histories"),
-      (jflax, "fp8_rules", "jmp_amp.flax.mixed_rules() | {'*': 'float8'}"),
-      (jflax, "fp8_value_and_grad", "jmp_amp.flax.fp8.value_and_grad"),
-      (jflax, "policied_apply",
-       "functools.partial(jmp_amp.flax.apply_with_policies, module, rules)"),
-      (jflax, "policy_of", "jmp_amp.flax.get_policies(module)['']"),
-      (jflax, "set_fp8", "jmp_amp.flax.set_policies(model, rules) with "
-       "'float8'"),
-      (jflax, "update_fp8_state", "jmp_amp.flax.fp8.value_and_grad"),
-      (jflax.rules, "fp8_rules", "jmp_amp.flax.mixed_rules() | "),
-      (flax_fp8, "clear_fp8", "jmp_amp.flax.clear_policies"),
-      (flax_fp8, "delayed_scaling", "jmp_amp.fp8.delayed_scaling"),
-      (flax_fp8, "fp8_histories", "jmp_amp.flax.fp8.histories"),
-      (flax_fp8, "fp8_modules", "jmp_amp.flax.fp8.histories"),
-      (flax_fp8, "fp8_value_and_grad", "jmp_amp.flax.fp8.value_and_grad"),
-      (flax_fp8, "set_fp8", "jmp_amp.flax.set_policies(model, rules) with "
-       "'float8'"),
-      (flax_fp8, "update_fp8_state", "jmp_amp.flax.fp8.value_and_grad"),
-  ]
-  return classes, functions
+# Aliases removed before the first release (issue 36): module, names.
+REMOVED = {
+    "jmp_amp": (
+        "FP8Recipe", "FP8State", "GpuReport", "MatmulRecord", "MatmulReport",
+        "delayed_scaling", "fp8_conv_general_dilated", "fp8_dot_general",
+        "fp8_einsum", "get_loss_scale"),
+    "jmp_amp.flax": (
+        "FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum", "FP8Meta",
+        "FP8Op", "FP8Policy", "NORM_CLASSES", "PolicyRules", "TrainState",
+        "clear_fp8", "fp8_histories", "fp8_modules", "fp8_rules",
+        "fp8_value_and_grad", "policied_apply", "policy_of", "set_fp8",
+        "update_fp8_state"),
+    "jmp_amp.flax.fp8": (
+        "FP8Recipe", "FP8State", "clear_fp8", "delayed_scaling",
+        "fp8_histories", "fp8_modules", "fp8_value_and_grad", "set_fp8",
+        "update_fp8_state"),
+    "jmp_amp.flax.rules": ("fp8_rules",),
+    "jmp_amp.flax.linen": ("policied_apply",),
+    "jmp_amp.flax.nnx": ("policy_of",),
+}
 
 
-def test_deprecated_classes_are_their_replacements():
-  classes, _ = _deprecated()
-  for module, name, replacement in classes:
-    assert name not in module.__all__, (module.__name__, name)
-    assert getattr(module, name) is replacement, (module.__name__, name)
+@pytest.mark.parametrize("module_name", sorted(REMOVED))
+def test_removed_aliases_are_gone(module_name):
+  if module_name != "jmp_amp":
+    _flax()
+  module = importlib.import_module(module_name)
+  left = [n for n in REMOVED[module_name] if hasattr(module, n)]
+  assert not left, f"{module_name} still has {left}"
 
 
-def test_deprecated_functions_warn_naming_their_replacement():
-  _, functions = _deprecated()
-  for module, name, replacement in functions:
-    assert name not in getattr(module, "__all__", ()), (module.__name__, name)
-    fn = getattr(module, name)
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
-      try:
-        fn(None)
-      except Exception:  # pylint: disable=broad-except
-        pass  # Only the warning is tested here.
-    deprecations = [w for w in caught
-                    if issubclass(w.category, DeprecationWarning)]
-    assert deprecations, f"{module.__name__}.{name} did not warn"
-    message = str(deprecations[0].message)
-    assert message.startswith(f"{module.__name__}.{name} is deprecated"), (
-        message)
-    assert replacement in message, (name, message)
-    assert deprecations[0].filename == __file__, (name, deprecations[0])
+def test_no_deprecation_helper_is_left():
+  assert not (PACKAGE / "_src" / "deprecation.py").exists()
+  for path in sorted(PACKAGE.rglob("*.py")):
+    text = path.read_text()
+    assert "DeprecationWarning" not in text, path
+    assert "kept for one release" not in text, path

@@ -501,13 +501,6 @@ def test_scaled_value_and_grad_gives_the_loss_and_scaled_grads(has_aux):
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, want_grads))
 
 
-def test_get_loss_scale_is_a_deprecated_alias(small_params):
-  opt = jmp_amp.loss_scaling(optax.sgd(0.1), jmp_amp.DynamicLossScale(8.0))
-  state = opt.init(small_params)
-  with pytest.warns(DeprecationWarning, match="get_scaling_state"):
-    ls = jmp_amp.get_loss_scale(state)
-  assert ls == jmp_amp.get_scaling_state(state).loss_scale
-
 
 def test_scaled_value_and_grad_built_once_reads_the_current_scale():
   # (#35) Built outside the step and reused: the scale is read at each call,

@@ -11,7 +11,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jmp_amp._src import deprecation
 from jmp_amp._src.scaling import LossScalingState
 
 
@@ -168,9 +167,3 @@ def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
       "skipped_steps": state.skipped_steps,
       "steps": state.steps,
   }
-
-
-get_loss_scale = deprecation.deprecated(
-    lambda opt_state: get_scaling_state(opt_state).loss_scale,
-    "jmp_amp.get_loss_scale", "jmp_amp.get_scaling_state(opt_state).loss_scale "
-    "(or jmp_amp.scaled_value_and_grad to scale a loss)")

@@ -28,17 +28,14 @@ Example:
 Not imported by `import jmp_amp`, so the core stays free of Flax.
 """
 
-from jmp_amp._src import deprecation as _deprecation
 from jmp_amp.flax import fp8
 from jmp_amp.flax import rules
 from jmp_amp.flax import train
 from jmp_amp.flax.linen import apply_with_policies
 from jmp_amp.flax.linen import init_with_policies
-from jmp_amp.flax.linen import policied_apply  # Deprecated, see below.
 from jmp_amp.flax.nnx import cast_boundary
 from jmp_amp.flax.nnx import clear_policies
 from jmp_amp.flax.nnx import get_policies
-from jmp_amp.flax.nnx import policy_of  # Deprecated, see below.
 from jmp_amp.flax.nnx import set_policies
 from jmp_amp.flax.rules import mixed_rules
 from jmp_amp.flax.train import make_linen_train_step
@@ -55,26 +52,3 @@ __all__ = (
     "mixed_rules",
     "set_policies",
 )
-
-# Deprecated aliases, kept for one release (not in __all__): policied_apply
-# and policy_of above, and these. Classes and constants are the same objects
-# as their replacements.
-FP8ConvGeneralDilated = fp8.FP8ConvGeneralDilated  # jmp_amp.flax.fp8.
-FP8DotGeneral = fp8.FP8DotGeneral  # Use jmp_amp.flax.fp8.FP8DotGeneral.
-FP8Einsum = fp8.FP8Einsum  # Use jmp_amp.flax.fp8.FP8Einsum.
-FP8Meta = fp8.FP8Meta  # Use jmp_amp.flax.fp8.FP8Meta.
-FP8Op = fp8.FP8Op  # Use jmp_amp.flax.fp8.FP8Op.
-FP8Policy = fp8.FP8Policy  # Use jmp_amp.flax.fp8.FP8Policy.
-NORM_CLASSES = rules.NORM_CLASSES  # Use jmp_amp.flax.rules.NORM_CLASSES.
-PolicyRules = rules.PolicyRules  # Use jmp_amp.flax.rules.PolicyRules.
-TrainState = train.TrainState  # Use jmp_amp.flax.train.TrainState.
-clear_fp8 = _deprecation.also_as(fp8.clear_fp8, "jmp_amp.flax.clear_fp8")
-fp8_histories = _deprecation.also_as(fp8.fp8_histories,
-                                     "jmp_amp.flax.fp8_histories")
-fp8_modules = _deprecation.also_as(fp8.fp8_modules, "jmp_amp.flax.fp8_modules")
-fp8_rules = _deprecation.also_as(rules.fp8_rules, "jmp_amp.flax.fp8_rules")
-fp8_value_and_grad = _deprecation.also_as(fp8.fp8_value_and_grad,
-                                          "jmp_amp.flax.fp8_value_and_grad")
-set_fp8 = _deprecation.also_as(fp8.set_fp8, "jmp_amp.flax.set_fp8")
-update_fp8_state = _deprecation.also_as(fp8.update_fp8_state,
-                                        "jmp_amp.flax.update_fp8_state")

@@ -49,7 +49,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -57,7 +56,6 @@ from flax import traverse_util
 import jax
 import numpy as np
 
-from jmp_amp._src import deprecation
 from jmp_amp.flax import _common
 from jmp_amp.flax import rules as rules_lib
 
@@ -230,24 +228,6 @@ def apply_with_policies(module: nn.Module, rules: Any, variables: Any,
   variables = plan.cast_params(variables, "compute_dtype")
   with nn.intercept_methods(plan.intercept):
     return module.apply(variables, *args, **kwargs)
-
-
-def _policied_apply(module: nn.Module, rules: Any, *, strict: bool = False
-                    ) -> Callable[..., Any]:
-  """`apply_with_policies` with `module` and `rules` bound."""
-  rules_lib.validate_rules(rules, fp8=False)
-
-  @functools.wraps(module.apply)
-  def apply_fn(variables, *args, **kwargs):
-    return apply_with_policies(module, rules, variables, *args,
-                               strict=strict, **kwargs)
-  return apply_fn
-
-
-# Deprecated alias, kept for one release.
-policied_apply = deprecation.deprecated(
-    _policied_apply, "jmp_amp.flax.policied_apply",
-    "functools.partial(jmp_amp.flax.apply_with_policies, module, rules)")
 
 
 def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:

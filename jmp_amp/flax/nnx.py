@@ -71,7 +71,6 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_amp._src import deprecation
 from jmp_amp._src import ops
 from jmp_amp.flax import _common
 from jmp_amp.flax import _fp8 as fp8_lib
@@ -304,17 +303,6 @@ def cast_boundary(method: F) -> F:
 
   setattr(wrapped, _BOUNDARY_MARK, True)
   return wrapped
-
-
-def _policy_of(module: nnx.Module) -> Any:
-  """`get_policies(module)[""]`."""
-  return get_policies(module)[rules_lib.ROOT_KEY]
-
-
-# Deprecated alias, kept for one release.
-policy_of = deprecation.deprecated(
-    _policy_of, "jmp_amp.flax.policy_of",
-    "jmp_amp.flax.get_policies(module)[''] (the root's path is '')")
 
 
 # --------------------------------------------------------------------------

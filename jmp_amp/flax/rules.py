@@ -83,7 +83,6 @@ from flax import nnx
 
 import jmp_amp
 from jmp_amp import Policy
-from jmp_amp._src import deprecation
 from jmp_amp._src import fp8 as fp8_core
 from jmp_amp.flax import _fp8 as fp8_lib
 
@@ -195,25 +194,6 @@ def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
   rules.update({cls: norm_policy for cls in NORM_CLASSES})
   rules[DEFAULT_KEY] = default
   return PolicyRules(rules, optional=NORM_CLASSES)
-
-
-def _fp8_rules(recipe: Any = None, *, keep_first_last: bool = True,
-               param: Any = "float32", norms: PolicyLike = "float32",
-               model_output: Any = None) -> PolicyRules:
-  """`mixed_rules` with an `FP8Policy` as the catch-all rule."""
-  default = fp8_lib.FP8Policy(recipe, keep_first_last=keep_first_last,
-                              param_dtype=param)
-  rules = mixed_rules(default.compute_dtype, param=param, norms=norms,
-                      model_output=model_output)
-  rules[DEFAULT_KEY] = default
-  return rules
-
-
-# Deprecated alias, kept for one release.
-fp8_rules = deprecation.deprecated(
-    _fp8_rules, "jmp_amp.flax.rules.fp8_rules",
-    "jmp_amp.flax.mixed_rules() | {'*': 'float8'} (or an FP8Recipe, or a "
-    "jmp_amp.flax.fp8.FP8Policy for keep_first_last and param_dtype)")
 
 
 # --------------------------------------------------------------------------
