@@ -129,7 +129,8 @@ class GpuReport:
 
   Attributes:
     target: the target name ("h100").
-    matmuls: the GEMMs and convolutions of the optimized program
+    matmuls: the GEMMs, convolutions and fused attention calls (cuDNN's
+      flash attention, kind "attention") of the optimized program
       (`MatmulReport` at the compiled stage; ``target`` names library calls).
     kernels: kernel launches in the program text: fusions, library calls and
       unfused ops; a loop body counts once.
@@ -160,7 +161,8 @@ class GpuReport:
     return label(self.target)
 
   def gemms_by_dtype(self) -> dict[str, int]:
-    """Number of GEMMs and convolutions per ``"lhs x rhs -> result"``."""
+    """Number of GEMMs and convolutions per ``"lhs x rhs -> result"``, and
+    of fused attention calls per ``"attention q x k -> result"``."""
     return self.matmuls.counts_by_signature()
 
   def fp8_layers(self) -> dict[str, dict[str, int]]:
@@ -183,7 +185,9 @@ class GpuReport:
     return {
         "label": self.label, "target": self.target,
         "jax_version": self.jax_version,
-        "gemms": len(self.matmuls), "gemms_by_dtype": self.gemms_by_dtype(),
+        "gemms": len(self.matmuls) - len(self.matmuls.attention),
+        "attention_calls": len(self.matmuls.attention),
+        "gemms_by_dtype": self.gemms_by_dtype(),
         "gemm_flops_by_input_dtype": self.matmuls.flops_by_input_dtype(),
         "kernels": self.kernels, "kernels_by_kind": dict(self.kernels_by_kind),
         **self.memory, "bytes_estimate": self.bytes_estimate,
@@ -194,7 +198,9 @@ class GpuReport:
     kinds = ", ".join(f"{k}: {v}" for k, v in self.kernels_by_kind.items())
     return "\n".join((
         f"GpuReport [{self.label}; jax {self.jax_version}]",
-        f"  GEMMs/convs: {len(self.matmuls)} ({gemms or 'none'})",
+        f"  GEMMs/convs: {len(self.matmuls) - len(self.matmuls.attention)}"
+        f"{f', fused attention calls: {len(self.matmuls.attention)}' if self.matmuls.attention else ''}"
+        f" ({gemms or 'none'})",
         f"  kernels: {self.kernels} ({kinds})",
         f"  GPU memory: temp {_size(self.memory.get('temp_bytes'))}, "
         f"arguments {_size(self.memory.get('argument_bytes'))}, "
