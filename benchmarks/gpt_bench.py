@@ -281,7 +281,7 @@ def torch_rows(size: str = "gpu", modes: Sequence[str] = TORCH_MODES,
   half = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
   torch.manual_seed(0)
   initial = _torch_gpt(size).to(device)
-  idx = torch.from_numpy(np.asarray(tokens(size))).long().to(device)
+  idx = torch.from_numpy(np.array(tokens(size))).long().to(device)
   labels = torch.cat([idx[:, 1:], idx[:, :1]], dim=1)
   weights = torch.ones_like(idx, dtype=torch.float32)
   weights[:, -1] = 0  # as models.lm_loss: the last position has no target
