@@ -8,7 +8,8 @@ with dtypes, its kernels (fusions and library calls), the GPU memory
 These are compiler figures, not timings: nothing runs.
 
 It needs the optional extra ``pip install "jmp-amp[gpu-audit]"`` (the CUDA
-plugin and ``nvidia-cuda-nvcc-cu12``, about 1.2 GB). On a machine without a
+plugin, ``nvidia-cuda-nvcc-cu12`` and, for cuDNN's fused attention,
+``nvidia-cudnn-cu12``; about 1.9 GB). On a machine without a
 GPU, start Python with ``JAX_PLATFORMS=cpu`` (``jmp-amp bench --target h100``
 does it for you): the plugin then registers its compile-only target without
 looking for a GPU.
