@@ -309,7 +309,7 @@ def torch_rows(size: str = "gpu", modes: Sequence[str] = TORCH_MODES,
       scaler.scale(loss).backward()
       scaler.step(opt)
       scaler.update()
-      return loss
+      return loss.detach()
 
     if device == "cuda":
       torch.cuda.empty_cache()
