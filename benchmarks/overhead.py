@@ -147,7 +147,7 @@ def v_jmp_amp(opt_name, lr, loss_scale, **kwargs):
 
   def step(state, batch):
     params, opt_state = state
-    _, grads = jmp_amp.scaled_value_and_grad(loss_fn, opt_state)(params, batch)
+    _, grads = jmp_amp.scaled_value_and_grad(loss_fn)(opt_state, params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return ((optax.apply_updates(params, updates), opt_state),
             jnp.logical_not(opt_state.grads_finite).astype(jnp.int32))
@@ -594,9 +594,11 @@ def _gpt_step(opt):
   scaled = isinstance(state, jmp_amp.LossScalingState)
 
   def step(params, state, tokens):
-    grad_fn = (jmp_amp.scaled_value_and_grad(loss_fn, state) if scaled
-               else jax.value_and_grad(loss_fn))
-    loss, grads = grad_fn(params, tokens)
+    if scaled:
+      loss, grads = jmp_amp.scaled_value_and_grad(loss_fn)(
+          state, params, tokens)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
   return step, (params, state, tokens)

@@ -5,9 +5,10 @@ The building blocks, for code that calls matmuls itself: `dot_general`,
 `jax.numpy` namesakes plus an `FP8Recipe` (current scaling by default,
 `delayed_scaling`, or ``FP8Recipe(scaling="rowwise")`` for `dot_general`)
 and, for delayed scaling, the amax histories (`FP8State`) the training loop
-carries. Compiled for Hopper GPUs, XLA turns them into FP8
-cuBLAS GEMMs and cuDNN convolutions; elsewhere they compute with the
-FP8-rounded values, so the numerics are FP8's on every backend.
+carries. Their GEMMs take the FP8 tensors themselves, so that XLA:GPU on
+Hopper runs FP8 GEMMs under its default options (Triton) and with cuBLAS,
+and cuDNN FP8 convolutions; elsewhere they compute with the FP8-rounded
+values, so the numerics are FP8's on every backend.
 
 Flax models get FP8 through a rule value of `jmp_amp.flax.set_policies`
 (``"float8"`` or an `FP8Recipe`), plain functions through
@@ -24,12 +25,12 @@ Example:
   [1.5, 1.5, 1.5, 1.5]
 """
 
-from jmp_amp._src.fp8 import conv_general_dilated
 from jmp_amp._src.fp8 import delayed_scaling
-from jmp_amp._src.fp8 import dot_general
-from jmp_amp._src.fp8 import einsum
 from jmp_amp._src.fp8 import FP8Recipe
 from jmp_amp._src.fp8 import FP8State
+from jmp_amp._src.fp8_ops import conv_general_dilated
+from jmp_amp._src.fp8_ops import dot_general
+from jmp_amp._src.fp8_ops import einsum
 
 __all__ = (
     "FP8Recipe",

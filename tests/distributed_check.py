@@ -30,7 +30,9 @@ the latest step in DIR instead of from initialisation. ``--then kill``
 (after the cases) saves step 1 of another state in ``DIR/kill``, then starts
 an asynchronous save of step 2, and process ``--kill-process`` SIGKILLs
 itself once step 2's temporary directory exists; ``--then after-kill`` (in a
-fresh run) reads what is left.
+fresh run) reads what is left. ``--then disagree`` starts process 0 with a
+loss scale of 2**15 and the others with 2**10, and records what a save, a
+linen train step and an NNX train step on that state say.
 """
 
 import argparse
@@ -48,7 +50,8 @@ def parse_args(argv):
   p.add_argument("--num-processes", type=int, default=1)
   p.add_argument("--local-devices", type=int, required=True)
   p.add_argument("--out", required=True)
-  p.add_argument("--then", default=None, choices=("kill", "after-kill"))
+  p.add_argument("--then", default=None, choices=("kill", "after-kill",
+                                                        "disagree"))
   p.add_argument("--cases", default="")
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--ckpt", default=None)
@@ -232,7 +235,7 @@ def make_step(model_name, precision, graphdef, opt):
       state = nnx.state(model)
     else:
       loss, grads = jmp_amp.scaled_value_and_grad(
-          lambda p: loss_fn(nnx.merge(graphdef, p), batch), opt_state)(state)
+          lambda p: loss_fn(nnx.merge(graphdef, p), batch))(opt_state, state)
       updates, opt_state = opt.update(grads, opt_state, state)
       state = optax.apply_updates(state, updates)
     return state, opt_state, {"loss": loss,
@@ -418,6 +421,56 @@ def swapped_arrays(mesh, target):
   write("swapped", {"errors": errors})
 
 
+# --------------------------------------------------------------------------
+# Processes that disagree on replicated state.
+
+
+def disagree_scenario(mesh):
+  from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
+  from jmp_amp.flax import train  # pylint: disable=import-outside-toplevel
+  scale = 2.0**15 if jax.process_index() == 0 else 2.0**10
+  tx = jmp_amp.loss_scaling(optax.adam(1e-3), jmp_amp.DynamicLossScale(scale))
+  replicated = NamedSharding(mesh, P())
+  module = models.LinenMLP(MLP_IN, MLP_OUT, 2, width=8)
+  params = module.init(jax.random.key(0), np.ones((1, MLP_IN), np.float32))
+  params = jax.tree.map(lambda x: global_value(x, replicated),
+                        params["params"])
+  state = jax.jit(lambda p: train.TrainState.create(
+      apply_fn=module.apply, params=p, tx=tx),
+                  out_shardings=replicated)(params)
+  record = {}
+  try:
+    checkpoint.save(os.path.join(ARGS.ckpt, "disagree"),
+                    {"params": state.params, "opt_state": state.opt_state},
+                    step=0)
+    record["save"] = None
+  except ValueError as e:
+    record["save"] = {"type": type(e).__name__, "message": str(e)}
+  step = jmp_amp.flax.make_linen_train_step(
+      lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), donate=False,
+      mutable=())
+  batch = tuple(global_batch(mesh, np.ones((PER_DEVICE_BATCH
+                                            * jax.device_count(), n),
+                                           np.float32))
+                for n in (MLP_IN, MLP_OUT))
+  try:
+    step(state, batch)
+    record["linen_step"] = None
+  except ValueError as e:
+    record["linen_step"] = str(e)
+  # The same processes with the same scale: both go through.
+  same = jax.jit(lambda p: train.TrainState.create(
+      apply_fn=module.apply, params=p, tx=jmp_amp.loss_scaling(
+          optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0**15))),
+                 out_shardings=replicated)(params)
+  checkpoint.save(os.path.join(ARGS.ckpt, "agree"),
+                  {"params": same.params, "opt_state": same.opt_state},
+                  step=0)
+  _, metrics = step(same, batch)
+  record["agree_steps"] = int(local_value(metrics["steps"]))
+  write("disagree", record)
+
+
 def main():
   os.makedirs(ARGS.out, exist_ok=True)
   mesh = make_mesh()
@@ -425,6 +478,8 @@ def main():
     run_case(case, mesh)
   if ARGS.then == "after-kill":
     after_kill_scenario(mesh)
+  elif ARGS.then == "disagree":
+    disagree_scenario(mesh)
   elif ARGS.then == "kill":
     kill_scenario(mesh)  # does not return in process --kill-process
   if ARGS.num_processes > 1:

@@ -35,3 +35,21 @@ def pure(tree):
 def digits():
   """`jmp_amp.models.data.digits()`, loaded once per test process."""
   return data_lib.digits()
+
+
+def fp8_gemm_kinds(counts) -> dict:
+  """GEMM counts by signature (``"lhs x rhs -> out": n``) as FP8 kinds.
+
+  "forward": E4M3 x E4M3; "backward": an E5M2 operand (the output
+  gradient) and an E4M3 one, in either order (XLA may swap them); anything
+  else under its own signature. The result dtype is left out: a Triton
+  GEMM accumulates and returns float32 in its fusion, a cuBLAS one may
+  return bf16.
+  """
+  out = {}
+  for sig, n in counts.items():
+    operands = tuple(sorted(sig.split(" -> ")[0].split(" x ")))
+    kind = {("float8_e4m3fn", "float8_e4m3fn"): "forward",
+            ("float8_e4m3fn", "float8_e5m2"): "backward"}.get(operands, sig)
+    out[kind] = out.get(kind, 0) + n
+  return out

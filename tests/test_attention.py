@@ -216,7 +216,7 @@ def _gpt_step_report(mode, **kw):
   step, state = workloads.nnx_step(
       model, gpt_lib.lm_loss, workloads.JAX_MODES[mode], optax.adam(1e-3),
       example_args=(TOKENS,))
-  return gpu_target.gpu_report(step, state, (TOKENS, TOKENS), gemm="xla")
+  return gpu_target.gpu_report(step, state, (TOKENS, TOKENS), gemm="default")
 
 
 @pytest.mark.parametrize("mode", [

@@ -346,7 +346,7 @@ def gpu_fixture(name):
 def test_gpu_bf16_grad_gemms_are_cublas_calls_in_bf16():
   # ws (32, 64), (64, 16); x (8, 32) not differentiated: 2 forward GEMMs,
   # 2 weight gradients, 1 input gradient (of layer 2).
-  report = MatmulReport.from_hlo(gpu_fixture("bf16_mlp_grad"))
+  report = MatmulReport.from_hlo(gpu_fixture("bf16_mlp_grad_cublas"))
   assert report.stage == "compiled" and len(report) == 5
   assert {r.target for r in report} == {"__cublas$lt$matmul"}
   assert report.counts_by_signature() == {"bf16 x bf16 -> bf16": 5}
@@ -359,11 +359,22 @@ def test_gpu_bf16_grad_gemms_are_cublas_calls_in_bf16():
   # kept one op's metadata).
   assert [r.name.startswith("jit(mlp_grad)/transpose(jvp())/")
           for r in report] == [False, False, True, True, True]
-  assert all(r.location.endswith("make_gpu_fixtures.py:30") for r in report)
+  assert all(r.location.endswith("make_gpu_fixtures.py:32") for r in report)
+
+
+def test_gpu_triton_gemms_are_found_inside_their_fusions():
+  # XLA's default options: each GEMM a Triton fusion, the dot inside it.
+  report = MatmulReport.from_hlo(gpu_fixture("bf16_mlp_grad"))
+  assert len(report) == 5
+  assert {r.target for r in report} == {"__triton_nested_gemm_fusion"}
+  assert report.counts_by_signature() == {"bf16 x bf16 -> bf16": 5}
+  assert sorted(r.flops for r in report) == sorted(
+      [2 * 8 * 64 * 32, 2 * 8 * 16 * 64, 2 * 8 * 64 * 16, 2 * 64 * 16 * 8,
+       2 * 32 * 64 * 8])
 
 
 def test_gpu_fp16_gemm_with_f32_result():
-  report = MatmulReport.from_hlo(gpu_fixture("fp16_dots"))
+  report = MatmulReport.from_hlo(gpu_fixture("fp16_dots_cublas"))
   assert [r.signature for r in report] == ["f16 x f16 -> f16",
                                            "f16 x f16 -> f32"]
   assert [r.flops for r in report] == [2 * 16 * 64 * 32] * 2
@@ -385,7 +396,7 @@ def test_gpu_convolutions_are_cudnn_calls_with_forward_flops():
 
 
 def test_gpu_scan_body_gemm_found_once_inside_the_while_body():
-  report = MatmulReport.from_hlo(gpu_fixture("f32_scan"))
+  report = MatmulReport.from_hlo(gpu_fixture("f32_scan_cublas"))
   (rec,) = report
   assert rec.signature == "f32 x f32 -> f32" and rec.flops == 2 * 16 * 16 * 16
   assert rec.target == "__cublas$lt$matmul" and rec.function.startswith("region")

@@ -892,3 +892,27 @@ def test_manager_lists_a_step_only_once_its_async_save_is_committed(tmp_path):
     assert latest == listed[-1]
     mngr.wait_until_finished()
     assert mngr.all_steps() == [1, 2] and mngr.latest_step() == 2
+
+
+def test_a_missing_data_index_is_named_before_any_read(tmp_path, capfd):
+  # (#35) Without its index every array's read failed at once, and each
+  # late completion printed "RuntimeError: Event loop is closed" (14 of
+  # them); the fallback restore itself was right.
+  opt = _optimizer()
+  states = {s: _plus(rh.init_state(0, opt), float(s)) for s in (1, 2)}
+  directory = tmp_path / "run"
+  for s, st in states.items():
+    checkpoint.save(directory, st, step=s)
+  os.remove(directory / "2" / "state" / "manifest.ocdbt")
+  with pytest.warns(checkpoint.CheckpointFallbackWarning,
+                    match=r"skipped damaged steps \[2\]; the first: "
+                    r"checkpoint step 2 in .*: file state/manifest\.ocdbt "
+                    r"\(the index of the array data\) is missing") as caught:
+    restored, step = checkpoint.restore_latest(directory, states[1])
+  assert step == 1 and tree_bytes_equal(restored, states[1])
+  assert len(caught) == 1
+  assert "Event loop is closed" not in capfd.readouterr().err
+  with pytest.raises(checkpoint.CheckpointCorruptedError,
+                     match="state/manifest.ocdbt") as e:
+    checkpoint.restore(directory, states[1], step=2)
+  assert e.value.where == "state/manifest.ocdbt"

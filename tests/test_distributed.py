@@ -387,6 +387,38 @@ def test_save_refuses_arrays_of_one_process(two):
 
 
 @pytest.fixture(scope="module")
+def disagree(tmp_path_factory):
+  """2 processes x 2 devices, process 0 at loss scale 2**15, process 1 at
+  2**10: a save and a linen train step."""
+  def run(out):
+    launch(out, 2, 2, "--ckpt", os.path.join(str(out), "ckpt"),
+           "--then", "disagree")
+  return _shared_run(tmp_path_factory, "disagree", run)
+
+
+def test_processes_that_disagree_on_the_loss_scale_are_refused(disagree):
+  # (#35) They trained on without a word; the save succeeded and its
+  # restore either blamed damaged files or kept process 0's scale.
+  records = [r for r, _ in load(disagree, "disagree", 2)]
+  assert records[0] == records[1]
+  save = records[0]["save"]
+  assert save["type"] == "ReplicasDisagreeError"
+  assert save["message"].startswith("cannot save checkpoint step 0 in ")
+  assert ("the processes hold different copies of state that is replicated "
+          "over them (one value to JAX): ['opt_state'].loss_scale.loss_scale:"
+          " process 0 = 32768 vs process 1 = 1024") in save["message"]
+  assert "['params']" not in save["message"]  # The params agree.
+  assert "Start every process from the same state" in save["message"]
+  step = records[0]["linen_step"]
+  assert step.startswith("the train step's first call: the processes hold "
+                         "different copies"), step
+  assert ".loss_scale.loss_scale: process 0 = 32768 vs process 1 = 1024" in (
+      step)
+  # With the same scale, the same save and step go through.
+  assert records[0]["agree_steps"] == 1
+
+
+@pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory):
   def runs(out):
     # One device per process: the same reduction order as one process.

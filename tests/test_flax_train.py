@@ -176,6 +176,26 @@ def test_nnx_step_errors():
         tm.mlp_batch(4))
 
 
+def test_bf16_with_a_plain_optax_optimizer_says_use_noop_loss_scale():
+  # (#35) docs/loss-scaling.md said bf16 needs no wrapper; the step needs
+  # one, and the error names it.
+  model = tm.mlp()
+  jf.set_policies(model, "mixed_bfloat16")
+  step = jf.make_train_step(model_loss, jit=False)
+  with pytest.raises(ValueError, match=r"jmp_amp\.loss_scaling\(inner, "
+                     r"jmp_amp\.NoOpLossScale\(\)\) for bfloat16"):
+    step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+         tm.mlp_batch(4))
+  params = models.linen_params_from_nnx(tm.mlp())["params"]
+  state = TrainState.create(
+      apply_fn=functools.partial(jf.apply_with_policies, tm.linen_mlp(),
+                                 "mixed_bfloat16"),
+      params=params, tx=optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"NoOpLossScale\(\)\) for bfloat16"
+                     r"[^(]*$"):
+    jf.make_linen_train_step(model_loss, jit=False)(state, tm.mlp_batch(4))
+
+
 # --------------------------------------------------------------------------
 # linen.
 

@@ -20,6 +20,7 @@ import helpers
 import jmp_amp
 import jmp_amp.flax
 from jmp_amp._src import fp8
+from jmp_amp._src import fp8_ops
 from jmp_amp.flax import fp8 as flax_fp8
 import models
 
@@ -223,15 +224,56 @@ def test_rowwise_histories_record_whole_tensor_amax():
   np.testing.assert_array_equal(new.grad, [3.0, 5.0])
 
 
-def test_rowwise_is_for_dot_general_only():
-  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-  with pytest.raises(ValueError, match="rowwise scaling is implemented for "
-                     "jmp_amp.fp8.dot_general only"):
-    jmp_amp.fp8.einsum("ab,bc->ac", x, w, recipe=ROWWISE)
-  with pytest.raises(ValueError, match="rowwise scaling is implemented"):
+def test_rowwise_einsum_is_the_rowwise_dot_general():
+  """An einsum is one dot_general plus a transpose, rowwise included."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((2, 5, 3)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+  recipe = dataclasses.replace(ROWWISE, compute_dtype=jnp.float32)
+  got = jmp_amp.fp8.einsum("btd,df->bft", x, w, recipe=recipe)
+  want = jnp.transpose(jmp_amp.fp8.dot_general(
+      x, w, (((2,), (0,)), ((), ())), recipe=recipe), (0, 2, 1))
+  np.testing.assert_array_equal(got, want)
+  assert _rel(got, jnp.einsum("btd,df->bft", x, w)) < 0.05
+
+
+def test_rowwise_convolution_is_refused():
+  with pytest.raises(ValueError, match="rowwise scaling is for dot_general "
+                     "and einsum"):
     jmp_amp.fp8.conv_general_dilated(jnp.ones((1, 2, 4, 4)),
                                      jnp.ones((3, 2, 3, 3)), (1, 1), "VALID",
                                      recipe=ROWWISE)
+
+
+@pytest.mark.parametrize("spec,lhs,rhs", [
+    ("ab,bc->ac", (2, 3), (3, 4)),
+    ("ab,bc", (2, 3), (3, 4)),
+    ("bqhd,bkhd->bhqk", (2, 5, 3, 4), (2, 6, 3, 4)),
+    ("bhqk,bkhd->bqhd", (2, 3, 5, 6), (2, 6, 3, 4)),
+    ("...d,df->...f", (2, 5, 3), (3, 4)),
+    ("...d,...d->...", (2, 5, 3), (5, 3)),
+    ("abc,cd->da", (2, 3, 4), (4, 5)),   # b summed out of lhs alone
+    ("ij,jk->ki", (3, 4), (4, 2)),
+])
+def test_einsum_as_one_dot_general_matches_jnp_einsum(spec, lhs, rhs):
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal(lhs).astype(np.float32)
+  b = rng.standard_normal(rhs).astype(np.float32)
+  a_sum, b_sum, dims, perm = fp8_ops.einsum_as_dot_general(spec, a.ndim,
+                                                           b.ndim)
+  got = jnp.transpose(jax.lax.dot_general(
+      a.sum(axis=a_sum), b.sum(axis=b_sum), dims), perm)
+  np.testing.assert_allclose(got, np.einsum(spec, a, b), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_einsum_refuses_diagonals_and_wrong_ranks():
+  with pytest.raises(ValueError, match="a diagonal"):
+    fp8_ops.einsum_as_dot_general("aab,bc->ac", 3, 2)
+  with pytest.raises(ValueError, match="the second operand has rank 3"):
+    fp8_ops.einsum_as_dot_general("ab,bc->ac", 2, 3)
+  with pytest.raises(ValueError, match="two-operand einsum string"):
+    jmp_amp.fp8.einsum("ab->a", jnp.ones((2, 3)), jnp.ones((3,)))
 
 
 def test_histories_arrive_as_gradients():
@@ -306,13 +348,14 @@ def test_autocast_entry_point_takes_equation_params():
   x, w = jnp.ones((4, 8)), jnp.full((8, 3), 0.5)
   eqn = jax.make_jaxpr(lambda a, b: a @ b)(x, w).eqns[0]
   assert eqn.primitive.name == "dot_general"
-  y = fp8.autocast_dot_general(x, w, **eqn.params)
+  y = fp8_ops.autocast_dot_general(x, w, **eqn.params)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(y, np.float32), 4.0)
-  dx = jax.grad(lambda a: fp8.autocast_dot_general(a, w, **eqn.params)
+  dx = jax.grad(lambda a: fp8_ops.autocast_dot_general(a, w, **eqn.params)
                 .astype(jnp.float32).sum())(x)
   assert dx.dtype == jnp.float32
-  np.testing.assert_array_equal(dx, 1.5)
+  # The GEMM is exact; the two float32 scales multiply it within an ulp.
+  np.testing.assert_allclose(dx, 1.5, rtol=2.0**-22)
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -335,6 +378,52 @@ def test_bad_arguments_raise_clear_errors():
     fp8.FP8Recipe(fwd_dtype=jnp.float16)
   with pytest.raises(ValueError, match="compute_dtype must be"):
     fp8.FP8Recipe(compute_dtype=jnp.int8)
+
+
+@pytest.mark.parametrize("margin", [-4, 17, 200, -200, 1.5, True])
+def test_margin_outside_0_to_16_is_refused(margin):
+  # A negative margin saturated every tensor (relative error 0.97); +-200
+  # made the scales inf or 0 and the outputs NaN.
+  with pytest.raises(ValueError, match=r"margin must be an int from 0 to 16 "
+                     r"\(headroom in powers of two\), got "):
+    fp8.FP8Recipe(margin=margin)
+
+
+@pytest.mark.parametrize("scaling", ["current", "rowwise"])
+def test_margin_is_honoured_and_costs_bits(scaling):
+  """margin m: the largest value maps to fp8_max / 2**m. A power of two
+  changes no rounding in E4M3's normal range, only where values sink into
+  its subnormals: with magnitudes spread over four decades, the result
+  moves."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((8, 16))
+                  * 10.0 ** rng.uniform(-4, 0, (8, 16)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((16, 4)), jnp.float32)
+  outs = {m: jmp_amp.fp8.dot_general(x, w, MATMUL, recipe=fp8.FP8Recipe(
+      scaling=scaling, margin=m, compute_dtype=jnp.float32)) for m in (0, 3)}
+  assert not np.array_equal(outs[0], outs[3])
+  for y in outs.values():
+    assert _rel(y, x @ w) < 0.15
+
+
+def test_rowwise_rule_for_a_convolution_is_refused_by_set_policies():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.stem = nnx.Linear(4, 4, rngs=rngs)
+      self.conv = nnx.Conv(4, 4, (3, 3), rngs=rngs)
+      self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.conv(self.stem(x)))
+
+  model = Net(nnx.Rngs(0))
+  rule = flax_fp8.FP8Policy(fp8.FP8Recipe(scaling="rowwise"),
+                            keep_first_last=False)
+  with pytest.raises(ValueError, match="rowwise FP8 scaling is for "
+                     "dot_general and einsum.*module 'conv' is a convolution"):
+    jmp_amp.flax.set_policies(model, {"*": rule})
+  # Nothing was converted: the model is as before.
+  assert flax_fp8.histories(model) == {}
 
 
 # --------------------------------------------------------------------------
@@ -915,12 +1004,13 @@ def test_make_train_step_updates_fp8_histories_under_loss_scaling():
 
 
 def _f8_origins_of_dots(closed) -> list[tuple[Any, Any]]:
-  """(lhs, rhs) FP8 dtype each matmul's operands were dequantized from.
+  """(lhs, rhs) FP8 dtype of each matmul's operands.
 
-  Follows every dot_general / conv_general_dilated operand back through
+  An FP8 operand gives its own dtype (the GEMMs of dot_general and einsum
+  take FP8 tensors); otherwise the operand is followed back through
   dequantization (casts, scale multiplications, transposes, reshapes) to an
-  FP8 array, across nested jaxprs (jit, custom_vjp, checkpoint, scan);
-  None where an operand does not come from FP8.
+  FP8 array (convolutions), across nested jaxprs (jit, custom_vjp,
+  checkpoint, scan); None where an operand does not come from FP8.
   """
   passthrough = {"mul", "convert_element_type", "transpose", "reshape",
                  "broadcast_in_dim", "squeeze", "copy", "neg", "rev"}
@@ -928,7 +1018,12 @@ def _f8_origins_of_dots(closed) -> list[tuple[Any, Any]]:
 
   def walk(jaxpr, in_origins):
     origin = dict(zip(jaxpr.invars, in_origins))
-    get = lambda v: origin.get(v) if not hasattr(v, "val") else None
+    def get(v):
+      if hasattr(v, "val"):
+        return None
+      if v.aval.dtype in (E4M3, E5M2):
+        return np.dtype(v.aval.dtype)
+      return origin.get(v)
     for eqn in jaxpr.eqns:
       ins = [get(v) for v in eqn.invars]
       name = eqn.primitive.name
@@ -1018,9 +1113,10 @@ def test_autocast_float8_matmuls_are_fp8_forward_and_backward():
   f8_grad = jax.jit(jax.grad(jmp_amp.autocast(_mlp_loss, "float8")))
   sigs = _f8_signatures(f8_grad, params, x, labels)
   # Three matmuls: each forward on two E4M3 operands; backward, the three
-  # weight gradients and two input gradients (x needs none) each take the
-  # E5M2 output gradient (JAX's transposes put it first) and an E4M3 operand.
-  assert sigs == {"e4m3 x e4m3": 3, "e5m2 x e4m3": 5}, sigs
+  # weight gradients and three input gradients each take the E5M2 output
+  # gradient (first) and an E4M3 operand. (The first layer's input gradient
+  # is unused: XLA removes it, see tests/test_fp8_shared_inputs.py.)
+  assert sigs == {"e4m3 x e4m3": 3, "e5m2 x e4m3": 6}, sigs
   # The half path, for contrast, has no FP8 anywhere.
   bf16_grad = jax.grad(jmp_amp.autocast(_mlp_loss, "p=f32,c=bf16,o=f32"))
   assert _f8_signatures(bf16_grad, params, x, labels) == {"- x -": 8}
@@ -1031,7 +1127,10 @@ def test_autocast_float8_matmuls_are_fp8_forward_and_backward():
                 for e in jaxpr.jaxpr.eqns}
   assert out_dtypes["exp"] == jnp.float32, out_dtypes
   assert out_dtypes["reduce_max"] == jnp.float32
-  assert out_dtypes["dot_general"] == jnp.bfloat16
+  # Each FP8 matmul is one custom-VJP call (its GEMMs inside) returning bf16.
+  matmuls = [e.outvars[0].aval.dtype for e in jaxpr.jaxpr.eqns
+             if e.primitive.name.startswith("custom_vjp")]
+  assert matmuls == [jnp.bfloat16] * 3, out_dtypes
 
 
 @pytest.mark.slow
@@ -1083,7 +1182,7 @@ def test_autocast_float8_names_and_errors():
                      r"also accepts 'float8'"):
     jmp_amp.autocast(fn, "float9")
   with pytest.raises(ValueError, match="autocast runs FP8 matmuls with "
-                     "current scaling.*scaling='delayed'"):
+                     "current or rowwise scaling.*scaling='delayed'"):
     jmp_amp.autocast(fn, jmp_amp.fp8.delayed_scaling(4))
   with pytest.raises(TypeError, match="'float8' or an FP8Recipe, got "):
     jmp_amp.autocast(fn, jnp.float8_e4m3fn)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import chex
 import jax
@@ -517,3 +518,49 @@ def test_committed_results_meet_the_stated_targets():
   assert abs(gpt[sr] - 1) <= 0.01 and abs(gpt[kahan] - 1) <= 0.01
   assert gpt[nearest] >= 1.05  # visibly behind
   assert results["cost"]["stochastic_vs_nearest"] <= 1.10
+
+
+@pytest.mark.parametrize("key", [0, jnp.array([0.25, 0.75]), np.int32(3),
+                                 jnp.array([0, 1], jnp.int32)])
+def test_stochastic_round_requires_a_prng_key(key):
+  # (#35) A float key was truncated: [0.25, 0.75] rounded as [0, 0].
+  with pytest.raises(TypeError, match=r"stochastic_round: key must be a JAX "
+                     r"PRNG key: jax\.random\.key\(seed\), or its raw uint32 "
+                     r"key data, jax\.random\.PRNGKey\(seed\); got "):
+    optim.stochastic_round(jnp.ones(4), key)
+
+
+def test_stochastic_round_accepts_typed_and_raw_keys_alike():
+  x = jnp.full(64, 1.0 + 2.0 ** -10)
+  typed = optim.stochastic_round(x, jax.random.key(5))
+  raw = optim.stochastic_round(x, jax.random.key_data(jax.random.key(5)))
+  np.testing.assert_array_equal(typed, raw)
+  with pytest.raises(ValueError, match="must be one key"):
+    optim.stochastic_round(x, jax.random.split(jax.random.key(0), 2))
+
+
+def test_stochastic_round_saturates_beyond_the_bfloat16_maximum():
+  # (#35) About 3.5 % of these became inf; nearest gives the finite maximum.
+  largest = float(jnp.finfo(jnp.bfloat16).max)
+  x = jnp.full(100_000, 3.3961e38, jnp.float32)  # > largest, < f32 max
+  assert float(x.astype(jnp.bfloat16)[0]) == largest
+  for sign in (1.0, -1.0):
+    y = optim.stochastic_round(sign * x, jax.random.key(0))
+    assert np.asarray(y.astype(jnp.float32) == sign * largest).all()
+  top = jnp.float32(np.finfo(np.float32).max)
+  assert float(optim.stochastic_round(top, jax.random.key(1))) == largest
+  inf = optim.stochastic_round(jnp.array([jnp.inf, -jnp.inf]),
+                               jax.random.key(1))
+  assert inf.tolist() == [float("inf"), float("-inf")]
+
+
+def test_low_precision_params_on_float32_params_warns():
+  # (#35) A policy without param="bfloat16" made it do nothing, silently.
+  tx = optim.low_precision_params("kahan")
+  with pytest.warns(UserWarning, match=r"low_precision_params: every param "
+                    r"is float32 \(2 arrays\), so it changes nothing; store "
+                    r"the params in bfloat16"):
+    tx.init({"w": jnp.ones(3), "b": jnp.zeros(2)})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.init({"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(2)})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import warnings
 
 from flax import nnx
 import jax
@@ -196,9 +197,56 @@ def test_plain_function_forward_and_backward():
   assert "test_numerics.py" in bwd.source
 
 
-def test_nonfinite_inputs_are_not_blamed_on_an_op():
-  f = lambda x: jnp.sum(x * 2)
-  assert jmp_amp.numerics.find_nonfinite(f, jnp.array([jnp.nan])) is None
+def test_nonfinite_inputs_are_reported_as_inputs_not_blamed_on_an_op():
+  # (#35) A NaN already in an argument was "nothing went non-finite".
+  f = lambda p, b: jnp.sum(p["w"] * b["x"])
+  r = jmp_amp.numerics.find_nonfinite(
+      f, {"w": jnp.ones(2)}, {"x": jnp.array([3.0, jnp.nan], jnp.float16)})
+  assert (r.direction, r.primitive, r.argument, r.module) == (
+      "input", "input", "args[1]['x']", None)
+  assert r.outputs == ("nan",) and r.out_dtypes == ("float16[2]",)
+  assert r.max_finite == 3.0
+  assert str(r) == ("first non-finite value: input args[1]['x'] "
+                    "(float16[2]: nan), non-finite before any op ran; "
+                    "largest finite |x| in it = 3")
+
+
+def test_a_nonfinite_constant_the_function_captured_is_an_input():
+  w = jnp.array([1.0, jnp.inf])
+  r = jmp_amp.numerics.find_nonfinite(lambda x: jnp.sum(w * x), jnp.ones(2))
+  assert (r.direction, r.argument, r.outputs) == (
+      "input", "a constant captured by fn", ("inf",))
+
+
+def test_flax_find_nonfinite_reports_a_nan_param_with_its_module_path():
+  model, loss_fn, batch = _mlp()
+  assert fnum.find_nonfinite(model, loss_fn, batch) is None
+  kernel = model.layers[1].kernel
+  kernel[...] = kernel[...].at[0, 0].set(jnp.nan)
+  r = fnum.find_nonfinite(model, loss_fn, batch)
+  assert (r.direction, r.module, r.argument, r.outputs) == (
+      "input", "layers/1", "params layers/1/kernel", ("nan",))
+  assert r.suggested_rule is None and r.fixed is None
+
+
+def test_flax_find_nonfinite_reports_a_nan_batch():
+  model, loss_fn, (x, y) = _mlp()
+  r = fnum.find_nonfinite(model, loss_fn, (x.at[1, 2].set(jnp.inf), y))
+  assert (r.direction, r.module, r.argument) == ("input", None, "batch[0]")
+
+
+def test_flax_find_nonfinite_linen_variables():
+  module = models.LinenMLP(8, 4, 2, width=16)
+  x = jnp.ones((2, 8))
+  variables = module.init(jax.random.key(0), x)
+  params = jax.tree.map(lambda a: a, dict(variables["params"]))
+  name = sorted(params)[-1]
+  params[name] = dict(params[name], bias=params[name]["bias"].at[0].set(
+      jnp.nan))
+  r = fnum.find_nonfinite(module, lambda m, b: jnp.mean(m(b)), x,
+                          variables={"params": params})
+  assert (r.direction, r.module, r.argument) == (
+      "input", name, f"variables['params']['{name}']['bias']")
 
 
 def test_enters_jit_and_custom_jvp():
@@ -436,3 +484,112 @@ def test_telemetry_step_never_syncs_with_the_host():
     for _ in range(2):
       metrics = step(model, opt, batch)
   assert float(metrics["numerics"]["layers/0"]["out"]["max_abs"]) > 0
+
+
+def _reporting_step(init_scale):
+  model, loss_fn, batch = _mlp()
+  jmp_amp.flax.set_policies(model, F16_RULES)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(init_scale)), wrt=nnx.Param)
+  reports = []
+  step = jmp_amp.flax.make_train_step(loss_fn, on_nonfinite=reports.append)
+  return model, opt, step, batch, reports
+
+
+def test_on_nonfinite_reports_every_distinct_event_not_only_the_first():
+  # (#35) A NaN batch used the one report up; a later overflow went unsaid.
+  model, opt, step, (x, y), reports = _reporting_step(2.0 ** 4)
+  step(model, opt, (x.at[0, 0].set(jnp.nan), y))
+  step(model, opt, (x, y))
+  assert [(r.direction, r.argument) for r in reports] == [
+      ("input", "batch[0]")]
+  assert (reports[0].step, reports[0].loss_scale, reports[0].repeats) == (
+      1, 16.0, 1)
+  kernel = model.layers[1].kernel
+  kernel[...] = kernel[...] * 1e5  # layers/1's float16 matmul overflows.
+  for _ in range(3):
+    step(model, opt, (x, y))
+  assert all(r is not None for r in reports)
+  assert [(r.direction, r.module, r.primitive) for r in reports[1:]] == [
+      ("forward", "layers/1", "dot_general")]
+  # A second NaN batch starts a new run: reported again.
+  kernel[...] = kernel[...] / 1e5
+  step(model, opt, (x, y))
+  step(model, opt, (x.at[1, 1].set(jnp.inf), y))
+  assert [(r.direction, r.argument) for r in reports[2:]] == [
+      ("input", "batch[0]")]
+
+
+def test_on_nonfinite_reports_a_run_that_persists_after_backoffs():
+  model, opt, step, batch, reports = _reporting_step(2.0 ** 4)
+  kernel = model.layers[1].kernel
+  kernel[...] = kernel[...].at[0, 0].set(jnp.nan)
+  for _ in range(9):
+    step(model, opt, batch)
+  # Run steps 1 and 8: the input site, then its persistence.
+  assert [(r.repeats, r.argument) for r in reports] == [
+      (1, "params layers/1/kernel"), (8, "params layers/1/kernel")]
+  assert "8 non-finite steps in a row" in str(reports[1])
+
+
+def test_on_nonfinite_never_passes_none():
+  # The replay does not apply autocast=: the float16 overflow is not found
+  # op by op, and the callback is told so rather than given None.
+  model, loss_fn, batch = _mlp()
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.DynamicLossScale(2.0 ** 4)), wrt=nnx.Param)
+  reports = []
+  step = jmp_amp.flax.make_train_step(loss_fn, autocast="float16",
+                                      on_nonfinite=reports.append)
+  kernel = model.layers[1].kernel
+  kernel[...] = kernel[...] * 1e5
+  assert not bool(step(model, opt, batch)["grads_finite"])
+  assert len(reports) == 1 and reports[0].primitive == "unknown"
+  assert str(reports[0]) == (
+      "step 1 (loss scale 16): the step's loss or gradients were not finite, "
+      "but an op-by-op replay (jmp_amp.flax.numerics.find_nonfinite, which "
+      "does not apply autocast=) found no op making inf/NaN")
+
+
+def test_telemetry_select_that_matches_nothing_warns():
+  # (#35) numerics="layer/*" (for "layers/*") silently gave {}.
+  model, loss_fn, batch = _mlp()
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.01), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics=["layer/*",
+                                                         "layers/0"])
+  with pytest.warns(UserWarning) as caught:
+    metrics = step(model, opt, batch)
+  messages = [str(w.message) for w in caught
+              if "jmp_amp.flax.numerics" in str(w.message)]
+  assert messages == [
+      "jmp_amp.flax.numerics: select 'layer/*' matches no module path of "
+      "MLP (paths are like 'layers', 'layers/0', 'layers/1', 'layers/2'); "
+      "its statistics will be missing."]
+  assert list(metrics["numerics"]) == ["layers/0"]
+  grads = nnx.state(model, nnx.Param)
+  with pytest.warns(UserWarning, match=r"select 'nothing/\*\*' matches no "
+                    r"module path of MLP"):
+    assert fnum.grad_stats(model, grads, "nothing/**") == {}
+  with pytest.warns(UserWarning, match="select LayerNorm matches no module "
+                    "of MLP: no module is an instance of it"):
+    with fnum.watch(model, nnx.LayerNorm):
+      pass
+
+
+def test_telemetry_select_that_matches_nothing_warns_for_linen():
+  grads = {"Dense_0": {"kernel": jnp.ones(2)}}
+  with pytest.warns(UserWarning, match=r"select 'Dense_1' matches no module "
+                    r"path of the model \(paths are like 'Dense_0'\)"):
+    assert fnum.grad_stats(None, grads, "Dense_1") == {}
+  module = models.LinenMLP(8, 4, 2, width=16)
+  variables = module.init(jax.random.key(0), jnp.ones((2, 8)))
+  with pytest.warns(UserWarning, match=r"select 'blocks/\*' matches no "
+                    r"module path of the linen modules called"):
+    with fnum.watch(None, "blocks/*"):
+      module.apply(variables, jnp.ones((2, 8)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with fnum.watch(None, "**") as seen:
+      module.apply(variables, jnp.ones((2, 8)))
+  assert seen.outputs

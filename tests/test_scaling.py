@@ -490,7 +490,7 @@ def test_scaled_value_and_grad_gives_the_loss_and_scaled_grads(has_aux):
     return (loss, {"x": x}) if has_aux else loss
   x = jnp.array([3.0, 0.5])
   value, grads = jax.jit(jmp_amp.scaled_value_and_grad(
-      loss_fn, state, has_aux=has_aux))(params, x)
+      loss_fn, has_aux=has_aux))(state, params, x)
   want_value, want_grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(
       params, x)
   chex.assert_trees_all_equal(value, want_value)
@@ -507,3 +507,53 @@ def test_get_loss_scale_is_a_deprecated_alias(small_params):
   with pytest.warns(DeprecationWarning, match="get_scaling_state"):
     ls = jmp_amp.get_loss_scale(state)
   assert ls == jmp_amp.get_scaling_state(state).loss_scale
+
+
+def test_scaled_value_and_grad_built_once_reads_the_current_scale():
+  # (#35) Built outside the step and reused: the scale is read at each call,
+  # so after a backoff (2**10 -> 2**9) the update is still -lr * dL/dw.
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(2.0**10))
+  params = {"w": jnp.array([1.0, 2.0])}
+  state = opt.init(params)
+  grad_fn = jmp_amp.scaled_value_and_grad(lambda p, x: jnp.sum(p["w"] * x))
+
+  @jax.jit
+  def step(params, state, x):
+    _, grads = grad_fn(state, params, x)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  params, state, _ = step(params, state, jnp.array([jnp.inf, 1.0]))  # skip
+  assert float(state.loss_scale.loss_scale) == 2.0**9
+  params, state, updates = step(params, state, jnp.array([1.0, 1.0]))
+  assert bool(state.grads_finite)
+  assert updates["w"].tolist() == [-1.0, -1.0]
+  assert params["w"].tolist() == [0.0, 1.0]
+
+
+def test_scaled_value_and_grad_refuses_a_state_where_it_is_built():
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(8.0))
+  state = opt.init({"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match=r"scaled_value_and_grad\(fun\)\("
+                     r"opt_state, \*fun_args\) instead"):
+    jmp_amp.scaled_value_and_grad(lambda p: jnp.sum(p["w"]), state)
+
+
+def test_scaled_value_and_grad_without_the_state_names_it():
+  grad_fn = jmp_amp.scaled_value_and_grad(lambda p: jnp.sum(p["w"]))
+  with pytest.raises(ValueError, match="pass the optimizer state first"):
+    grad_fn({"w": jnp.ones(2)})
+
+
+def test_scaled_value_and_grad_has_aux_mismatch_names_has_aux():
+  # (#35) A plain scalar with has_aux=True gave JAX's "Too many indices".
+  opt = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(2)}
+  state = opt.init(params)
+  scalar = lambda p: jnp.sum(p["w"])
+  with pytest.raises(TypeError, match=r"with has_aux=True the function must "
+                     r"return \(loss, aux\), got a .*pass has_aux=False"):
+    jmp_amp.scaled_value_and_grad(scalar, has_aux=True)(state, params)
+  pair = lambda p: (jnp.sum(p["w"]), p)
+  with pytest.raises(TypeError, match=r"not a scalar loss; pass has_aux=True"):
+    jmp_amp.scaled_value_and_grad(pair)(state, params)

@@ -6,7 +6,10 @@ equation by equation, eagerly, outside `jit`, checking every floating output.
 The first equation whose floating inputs are all finite and one of whose
 outputs is not is the culprit. Sub-jaxprs (`jit`, `custom_jvp`, `checkpoint`,
 calls) are entered, so the culprit is a primitive; control flow (`cond`,
-`while`, `scan`) is evaluated as one equation.
+`while`, `scan`) is evaluated as one equation. Before any equation, the
+arguments and the constants `fn` captured are checked: an inf/NaN already
+there (a NaN in the batch or in a parameter) is the first non-finite value,
+reported with direction ``"input"`` and its argument path.
 
 Module paths come from the name stack: `jax.named_scope` scopes, which
 `jmp_amp.flax.numerics` puts around every Flax module call as ``@a.b.c``
@@ -46,9 +49,12 @@ class NonFinite:
   """Where the first inf/NaN came from.
 
   Attributes:
-    primitive: the JAX primitive, e.g. ``"dot_general"``, ``"mul"``.
-    direction: ``"forward"`` (the function's own computation) or
-      ``"backward"`` (only the gradient computation went non-finite).
+    primitive: the JAX primitive, e.g. ``"dot_general"``, ``"mul"``;
+      ``"input"`` for a value that was non-finite before any op ran.
+    direction: ``"forward"`` (the function's own computation),
+      ``"backward"`` (only the gradient computation went non-finite) or
+      ``"input"`` (an argument, or a constant the function captured, already
+      held inf/NaN: see ``argument``).
     module: the module path (Flax models: the '/'-joined path rules use;
       plain functions: the `jax.named_scope` scopes), or None.
     source: ``file:line (function)`` of the Python code that emitted it.
@@ -60,6 +66,14 @@ class NonFinite:
       module in float32 (None without a module path).
     fixed: whether re-running with `suggested_rule` removed every inf/NaN
       (None: not verified).
+    argument: for an ``"input"``: where the value sits, e.g.
+      ``"args[1]['x']"``, ``"batch['image']"``, ``"params layers/0/kernel"``
+      or ``"a constant captured by fn"``; else None.
+    step, loss_scale: the train step's count and the loss scale it used,
+      when `jmp_amp.flax.make_train_step`'s ``on_nonfinite`` reports it;
+      else None.
+    repeats: for ``on_nonfinite``: how many steps in a row, this one
+      included, went non-finite; else None.
   """
   primitive: str
   direction: str
@@ -72,11 +86,30 @@ class NonFinite:
   outputs: tuple[str, ...]
   suggested_rule: Optional[dict[str, str]] = None
   fixed: Optional[bool] = None
+  argument: Optional[str] = None
+  step: Optional[int] = None
+  loss_scale: Optional[float] = None
+  repeats: Optional[int] = None
 
   def __str__(self) -> str:
     where = repr(self.module) if self.module is not None else "<no module>"
+    when = ""
+    if self.step is not None:
+      when = f"step {self.step} (loss scale {self.loss_scale:g}"
+      if self.repeats is not None and self.repeats > 1:
+        when += f", {self.repeats} non-finite steps in a row"
+      when += "): "
+    if self.direction == "input":
+      return (f"{when}first non-finite value: input {self.argument} "
+              f"({', '.join(self.out_dtypes)}: {', '.join(self.outputs)})"
+              + (f" in module {where}" if self.module is not None else "")
+              + ", non-finite before any op ran; largest "
+              f"finite |x| in it = {self.max_finite:.6g}")
+    if self.primitive == "unknown":
+      return (f"{when}the step's loss or gradients were not finite, but an "
+              f"op-by-op replay ({self.source}) found no op making inf/NaN")
     lines = [
-        f"first non-finite value: {self.direction} {self.primitive} in "
+        f"{when}first non-finite value: {self.direction} {self.primitive} in "
         f"module {where}",
         f"  source: {self.source}",
         f"  operands {', '.join(self.in_dtypes)} -> results "
@@ -156,6 +189,38 @@ def _report(eqn, invals, outvals, name_stack: str, backward: bool
                     for x in outvals))
 
 
+def input_report(tree: Any, name: str,
+                 module_of_path: Optional[Callable[[str], Optional[str]]]
+                 = None, keys: Optional[Callable[[Any], str]] = None
+                 ) -> Optional[NonFinite]:
+  """The first floating leaf of `tree` holding inf/NaN, as an input report.
+
+  Args:
+    tree: the pytree (arguments, a batch, params).
+    name: how to name it (``"args"``, ``"batch"``, ``"params "``).
+    module_of_path: maps the leaf's key path to its module path.
+    keys: formats a key path (default `jax.tree_util.keystr`).
+
+  Returns:
+    A `NonFinite` with direction ``"input"``, or None if all are finite.
+  """
+  keys = keys or jax.tree_util.keystr
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not _is_float(leaf) or _all_finite([leaf]):
+      continue
+    where = keys(path)
+    a = np.abs(np.asarray(leaf, np.float32))
+    finite = a[np.isfinite(a)]
+    dtype = f"{np.dtype(leaf.dtype)}{list(np.shape(leaf))}"
+    return NonFinite(
+        primitive="input", direction="input",
+        module=module_of_path(path) if module_of_path else None,
+        source="", name_stack="", in_dtypes=(), out_dtypes=(dtype,),
+        max_finite=float(finite.max()) if finite.size else 0.0,
+        outputs=(_status(leaf),), argument=f"{name}{where}")
+  return None
+
+
 def _sub_jaxpr(eqn):
   name = _CALL_PARAMS.get(eqn.primitive.name)
   if name is None:
@@ -222,11 +287,16 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
       for every floating output; for a loss, its gradient).
 
   Returns:
-    A `NonFinite` report, or None if every value stayed finite (or the
-    inputs already held inf/NaN and nothing became non-finite from finite).
+    A `NonFinite` report, or None if every value stayed finite. An inf/NaN
+    already in the arguments (or in an array `fn` captured) is reported
+    first, with direction ``"input"`` and its path in ``argument``
+    (``"args[1]['x']"``).
   """
   if not callable(fn):
     raise TypeError(f"find_nonfinite takes a function, got {fn!r}")
+  report = input_report(args, "args")
+  if report is not None:
+    return report
   leaves = jax.tree_util.tree_leaves(args)
   # The forward pass alone first: whatever goes non-finite only in the
   # gradient computation (its transposed equations, and the derivative
@@ -235,6 +305,12 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   targets = [(fn, False)] + ([(_with_vjp(fn), True)] if backward else [])
   for target, is_backward in targets:
     closed = jax.make_jaxpr(target)(*args)
+    if not is_backward:
+      consts = [c for c in closed.consts if _is_float(c)]
+      report = input_report(consts, "a constant captured by fn",
+                            keys=lambda path: "")
+      if report is not None:
+        return report
     try:
       _eval(closed, leaves, "", is_backward)
     except _Found as found:

@@ -12,6 +12,7 @@ key in the optimizer state) or, for the params, with a compensation buffer
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,9 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   A value between two neighbouring bfloat16 numbers ``lo < x < hi`` becomes
   ``hi`` with probability ``(x - lo) / (hi - lo)`` (to 2**-16) and ``lo``
   otherwise, so the expected result is `x` itself; representable values,
-  infinities and NaN stay as they are. The random bits are a hash of `key`
+  infinities and NaN stay as they are. Finite values stay finite: one beyond
+  bfloat16's largest finite value (about 3.39e38) becomes that value, with
+  its sign (saturation), never inf. The random bits are a hash of `key`
   and each element's index in `x`: the same for the same key, whatever the
   sharding of `x`.
 
@@ -86,12 +89,16 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   Args:
     x: a real floating array (float32; narrower dtypes are exact in float32).
       At most 2**32 elements.
-    key: a JAX random key (typed, or raw ``uint32`` key data).
+    key: one JAX random key: typed (``jax.random.key(seed)``) or its raw
+      ``uint32`` key data (``jax.random.PRNGKey(seed)``). Anything else (an
+      int, a float array) is refused: its values would be truncated into
+      bits, and different keys would round alike.
 
   Returns:
     A bfloat16 array of the shape of `x`.
   """
   _check_floating(x, "stochastic_round: x")
+  _check_key(key, "stochastic_round: key")
   x = jnp.asarray(x)
   if x.dtype == jnp.bfloat16:
     return x
@@ -106,7 +113,28 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   rounded = jax.lax.bitcast_convert_type(
       (bits + _random_bits16(key, x.shape)) & jnp.uint32(0xFFFF0000),
       jnp.float32)
+  # Rounding up from bfloat16's largest finite value carries into the
+  # exponent and gives inf; saturate instead (a select: a clip would flush
+  # subnormals on CPU).
+  largest = jnp.float32(jnp.finfo(jnp.bfloat16).max)
+  rounded = jnp.where(jnp.isinf(rounded), jnp.copysign(largest, x), rounded)
   return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
+
+
+def _check_key(key: Any, what: str) -> None:
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if jnp.shape(key) != ():
+      raise ValueError(f"{what} must be one key, got an array of keys of "
+                       f"shape {jnp.shape(key)}")
+    return
+  if dtype is not None and dtype == jnp.uint32 and jnp.ndim(key) == 1:
+    return
+  got = (f"{type(key).__name__} {key!r}" if dtype is None else
+         f"a {dtype} array of shape {jnp.shape(key)}")
+  raise TypeError(
+      f"{what} must be a JAX PRNG key: jax.random.key(seed), or its raw "
+      f"uint32 key data, jax.random.PRNGKey(seed); got {got}")
 
 
 def _round_like(x: jax.Array, dtype, key, rounding: str) -> jax.Array:
@@ -271,7 +299,8 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
   `nnx.Optimizer` and linen's ``TrainState`` call) produces ``p_new`` exactly
   -- unless the param shrinks by more than 2**16 in one step, where the
   result is within 2**-24 of the old param's magnitude of it. Float32 params
-  pass through unchanged. The rounding:
+  pass through unchanged; if every param is float32 (a policy without
+  ``param="bfloat16"``), `init` warns that it does nothing. The rounding:
 
   * ``"stochastic"`` (bfloat16 params only): unbiased, so updates far below
     the param's resolution still move it on average; random bits from a key
@@ -323,6 +352,14 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
 
   def init_fn(params):
     check_params(params)
+    leaves = jax.tree_util.tree_leaves(params)
+    if leaves and not any(narrow(p) for p in leaves):
+      # Nothing to round: almost always a policy that forgot the params.
+      warnings.warn(
+          f"{who}: every param is float32 ({len(leaves)} arrays), so it "
+          "changes nothing; store the params in bfloat16 (jmp_amp.flax: "
+          "mixed_rules(..., param=\"bfloat16\"), or a policy with "
+          "p=bf16) or leave low_precision_params out", stacklevel=2)
     if rounding != "kahan":
       return LowPrecisionParamsState(key=key0, compensation=())
     return LowPrecisionParamsState(key=key0, compensation=jax.tree.map(

@@ -209,7 +209,7 @@ def loss_scaling(inner: optax.GradientTransformation,
     ...     jmp_amp.DynamicLossScale(2.0 ** 15))
     >>> state = opt.init(params)
     >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
-    >>> loss, grads = jmp_amp.scaled_value_and_grad(loss_fn, state)(params)
+    >>> loss, grads = jmp_amp.scaled_value_and_grad(loss_fn)(state, params)
     >>> updates, state = opt.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
     >>> float(loss), int(state.skipped_steps), float(state.loss_scale.loss_scale)

@@ -263,6 +263,25 @@ def damaged_file(step_dir: str, error: BaseException) -> Optional[str]:
   return None
 
 
+def missing_index(state_dir: str) -> Optional[str]:
+  """``"manifest.ocdbt"`` if the OCDBT array data in `state_dir` lacks its
+  index, else None.
+
+  Checked before orbax reads: without the index every array's read fails at
+  once, while TensorStore still completes the others' after orbax's event
+  loop has closed, and each of those prints a "RuntimeError: Event loop is
+  closed" traceback (one per array).
+  """
+  try:
+    names = os.listdir(state_dir)
+  except OSError:
+    return None
+  ocdbt = "d" in names or any(n.startswith("ocdbt.process_") for n in names)
+  if ocdbt and "manifest.ocdbt" not in names:
+    return "manifest.ocdbt"
+  return None
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
   text = (str(e).strip().splitlines() or [""])[0]
   return text if len(text) <= limit else text[:limit] + " ..."

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jmp_amp._src import replicas
 from jmp_amp.checkpoint import _compat
 from jmp_amp.checkpoint import _errors
 from jmp_amp.checkpoint import _fp8
@@ -100,6 +101,12 @@ class CheckpointManager:
     force = _check_bool(force, "force")
     saveable = _nnx.saveable(state)
     _check_global(saveable, step)
+    replicas.check(
+        _compat.named_leaves(saveable),
+        f"cannot save checkpoint step {step} in {self.directory}",
+        "The checkpoint would keep one process's copy and silently drop the "
+        "others (or fail its checksums on restore). Start every process from "
+        "the same state: the same loss scale, seeds and checkpoint.")
     meta = _compat.describe(state)
     if not meta["leaves"]:
       raise ValueError(f"state has no arrays to save, got "
@@ -233,6 +240,12 @@ class CheckpointManager:
       except Exception as e:  # pylint: disable=broad-except
         raise self._corrupted(step, e) from e
       read_as, rebuild = _layout.plain_layout(saved_tree, saveable)
+    missing = _integrity.missing_index(
+        os.path.join(self._step_dir(step), _layout.STATE))
+    if missing is not None:
+      where = f"{_layout.STATE}/{missing}"
+      raise self._damaged(
+          step, f"file {where} (the index of the array data) is missing", where)
     try:
       state = self._manager.restore(step, args=_layout.state_restore_args(
           read_as, meta and meta["leaves"]))[_layout.STATE]
@@ -271,6 +284,18 @@ class CheckpointManager:
       raise self._damaged(step, str(e), _layout.META_FILE) from None
     if mismatch is not None:
       name, want, got = mismatch
+      if (jax.process_count() > 1
+          and name not in meta["checksums"].get("shards", {})):
+        # One copy per process was saved; the checksum may be another's.
+        raise self._damaged(
+            step, f"array {name} does not match its checksum "
+            f"({_integrity.CHECKSUM} saved {want}, read {got}). It is "
+            "replicated over the processes: either the processes that saved "
+            "it held different copies of it (a save before jmp_amp compared "
+            "the copies; the file then holds one process's copy and the "
+            "checksum another's), or its data files are damaged. Restore an "
+            "earlier step, or restart every process from the same state",
+            name)
       raise self._damaged(
           step, f"array {name} does not match its checksum "
           f"({_integrity.CHECKSUM} saved {want}, read {got}); its data files "

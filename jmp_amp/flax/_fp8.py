@@ -21,6 +21,7 @@ from jax import lax
 
 from jmp_amp._src import dtypes as dtypes_lib
 from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src import fp8_ops
 from jmp_amp._src.policy import Policy
 
 # The matmul knobs FP8 replaces, in the order they are looked for.
@@ -89,7 +90,7 @@ class FP8DotGeneral(FP8Op):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, out_sharding=None):
     with self.scope():
-      return fp8_lib.dot_general(
+      return fp8_ops.dot_general(
           lhs, rhs, dimension_numbers, precision=precision,
           preferred_element_type=preferred_element_type, state=self.state(),
           recipe=self.recipe, out_sharding=out_sharding)
@@ -106,7 +107,7 @@ class FP8Einsum(FP8Op):
   def __call__(self, subscripts, lhs, rhs, precision=None,
                preferred_element_type=None, out_sharding=None):
     with self.scope():
-      return fp8_lib.einsum(
+      return fp8_ops.einsum(
           subscripts, lhs, rhs, precision=precision,
           preferred_element_type=preferred_element_type, state=self.state(),
           recipe=self.recipe, out_sharding=out_sharding)
@@ -126,7 +127,7 @@ class FP8ConvGeneralDilated(FP8Op):
                feature_group_count=1, batch_group_count=1, precision=None,
                preferred_element_type=None, out_sharding=None):
     with self.scope():
-      return fp8_lib.conv_general_dilated(
+      return fp8_ops.conv_general_dilated(
           lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
           rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
           feature_group_count=feature_group_count,

@@ -364,6 +364,15 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
   else:
     ends = set()
   chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
+  by_path = {p: m for p, m, _ in decided}
+  for path, pol in capable:
+    if (path in chosen and pol.recipe.scaling == "rowwise"
+        and fp8_lib.knob(by_path[path]) == "conv_general_dilated"):
+      raise ValueError(
+          f"rowwise FP8 scaling is for dot_general and einsum (nnx.Linear, "
+          f"nnx.LinearGeneral, nnx.Einsum); module "
+          f"{fp8_lib.path_str(path)!r} is a convolution. Give it "
+          f"FP8Recipe(scaling='current') or 'delayed', or a non-FP8 policy.")
   if not chosen and any(isinstance(rule.policy, fp8_lib.FP8Policy)
                         for rule in ruleset.all_rules):
     if not any(fp8_lib.knob(m) for _, m in modules):

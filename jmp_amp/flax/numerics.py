@@ -16,7 +16,9 @@ made the first inf/NaN.
   forward or backward pass that turned finite values into inf/NaN, with its
   module path, a suggested rule keeping that module in float32, and whether
   that rule, applied, removes every inf/NaN. ``make_train_step(...,
-  on_nonfinite=print)`` runs it once, on the first skipped step.
+  on_nonfinite=print)`` runs it on skipped steps and reports each distinct
+  event (a new site, an inf/NaN in the inputs or the forward pass, a
+  non-finite that persists after the loss-scale backoffs).
 
 `select` uses the glob dialect of `jmp_amp.flax.rules`: a path pattern
 (``"blocks/*/attn"``, ``"**"`` or ``"*"`` for every module), a module class
@@ -44,8 +46,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
-from typing import (Any, Callable, Iterator, Mapping, Optional, Sequence,
-                    Union)
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import warnings
 
 from flax import linen as nn
@@ -58,41 +59,14 @@ from jmp_amp._src import fp8 as fp8_core
 from jmp_amp._src import localise
 from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _fp8 as fp8_layers
+from jmp_amp.flax import _select as select_lib
 from jmp_amp.flax import nnx as nnx_lib
 from jmp_amp.flax import rules as rules_lib
 
 __all__ = ("find_nonfinite", "grad_stats", "watch")
 
-Select = Union[None, str, type, Sequence[Union[str, type]]]
-
-
-class _Selector:
-  """Which modules a `select` argument picks."""
-
-  def __init__(self, select: Select):
-    if isinstance(select, (str, type)):
-      select = [select]
-    if not isinstance(select, (list, tuple)):
-      raise TypeError(
-          "select must be a path pattern ('blocks/*/attn', '**' for every "
-          "module), a Flax module class, or a list of them; got "
-          f"{select!r}")
-    self.patterns, self.classes = [], []
-    for key in select:
-      if isinstance(key, type):
-        if not issubclass(key, (nnx.Module, nn.Module)):
-          raise TypeError(f"select: {key!r} is not a Flax module class")
-        self.classes.append(key)
-      elif isinstance(key, str):
-        key = "**" if key == rules_lib.DEFAULT_KEY else key
-        self.patterns.append(rules_lib.compile_pattern(key))
-      else:
-        raise TypeError(f"select: {key!r} is neither a path pattern str nor "
-                        "a Flax module class")
-
-  def __call__(self, path: str, module: Any) -> bool:
-    return (any(p.match(path) for p in self.patterns)
-            or isinstance(module, tuple(self.classes)))
+Select = select_lib.Select
+_Selector = select_lib.Selector
 
 
 def _selector(select: Select) -> Optional[_Selector]:
@@ -166,12 +140,14 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
   seen = Seen(_selector(select))
   if model is None:
     depth = [0]
+    called: dict[str, Any] = {}
 
     def interceptor(next_fun, args, kwargs, context):
       module = context.module
       if module.scope is None or context.method_name == "setup":
         return next_fun(*args, **kwargs)
       path = "/".join(module.path)
+      called[path] = module
       if not path and not depth[0]:
         # A new top-level apply: `apply_with_policies` first runs the model
         # abstractly (`jax.eval_shape`), whose values must not be kept.
@@ -187,12 +163,17 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
 
     with nn.intercept_methods(interceptor):
       yield seen
+    if seen.select is not None:
+      seen.select.warn_unmatched(called, "the linen modules called")
     return
   if not isinstance(model, nnx.Module):
     raise TypeError("watch takes an nnx.Module (or None for linen), got "
                     f"{type(model).__name__}")
   paths = {id(m): ("/".join(str(p) for p in path), m)
            for path, m in nnx.iter_modules(model)}
+  if seen.select is not None:
+    seen.select.warn_unmatched(dict(paths.values()),
+                               type(model).__name__)
   hook = _nnx_hook(paths, seen)
   previous = sys.getprofile()
   if previous is not None:
@@ -237,11 +218,15 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
     flat = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v)
             for p, v in flat]
   grouped: dict[str, list] = {}
+  candidates: dict[str, Any] = dict(modules)
   for path, value in flat:
     value = value.get_value() if isinstance(value, nnx.Variable) else value
     owner = _owner("/".join(str(p) for p in path[:-1]), modules)
+    candidates.setdefault(owner, modules.get(owner))
     if selector(owner, modules.get(owner)):
       grouped.setdefault(owner, []).append(value)
+  selector.warn_unmatched(
+      candidates, "the model" if model is None else type(model).__name__)
   out = {}
   for owner, values in grouped.items():
     policy = policies.get(owner)
@@ -350,6 +335,33 @@ def _linen_loss(module: nn.Module, variables: Any, loss_fn: Callable,
   return f, params
 
 
+def _nonfinite_input(model: Any, variables: Any, batch: Any
+                     ) -> Optional[localise.NonFinite]:
+  """The first inf/NaN already in the model's variables, else in the batch."""
+  if isinstance(model, nnx.Module):
+    modules = {"/".join(str(p) for p in path)
+               for path, _ in nnx.iter_modules(model)}
+    flat = {}
+    for path, value in nnx.to_flat_state(nnx.state(model)):
+      kind = "params " if isinstance(value, nnx.Param) else "state "
+      value = value.get_value() if isinstance(value, nnx.Variable) else value
+      flat[(kind, tuple(str(p) for p in path))] = value
+    owner = lambda key: _owner("/".join(key[0].key[1][:-1]),
+                               dict.fromkeys(modules))
+    report = localise.input_report(
+        flat, "", module_of_path=owner,
+        keys=lambda key: key[0].key[0] + "/".join(key[0].key[1]))
+  elif variables is not None:
+    names = lambda path: [str(getattr(k, "key", getattr(k, "idx", k)))
+                          for k in path]
+    report = localise.input_report(
+        variables, "variables",
+        module_of_path=lambda path: "/".join(names(path)[1:-1]))
+  else:
+    report = None
+  return report or localise.input_report(batch, "batch")
+
+
 def _all_finite(tree: Any) -> bool:
   return all(bool(np.isfinite(np.asarray(x)).all())
              for x in jax.tree_util.tree_leaves(tree)
@@ -423,8 +435,17 @@ def find_nonfinite(model: Union[nnx.Module, nn.Module],
     backward: also look at the gradient.
 
   Returns:
-    A `jmp_amp.numerics.NonFinite`, or None if nothing went non-finite.
+    A `jmp_amp.numerics.NonFinite`, or None if nothing went non-finite. An
+    inf/NaN already in the model's variables (a parameter, a BatchNorm
+    statistic) or in the batch is reported first, with direction
+    ``"input"``, the module path of the variable and ``argument`` naming it
+    (``"params layers/0/kernel"``, ``"batch['image']"``); no rule is
+    suggested for it.
   """
+  if isinstance(model, (nn.Module, nnx.Module)):
+    report = _nonfinite_input(model, variables, batch)
+    if report is not None:
+      return report
   if isinstance(model, nn.Module):
     if variables is None:
       raise TypeError("find_nonfinite of a linen module needs its variables "

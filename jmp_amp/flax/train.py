@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 from typing import Any, Callable, Optional, Sequence, Union
+import warnings
 
 from flax import nnx
 from flax.training import train_state
@@ -68,6 +69,7 @@ from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
+from jmp_amp.flax import _step_checks
 from jmp_amp.flax import numerics as numerics_lib
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
@@ -229,15 +231,23 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       (see `jmp_amp.flax.numerics`; print with
       `jmp_amp.numerics.format_stats`). None compiles exactly the step
       without it.
-    on_nonfinite: None, or a callable given, once, the
-      `jmp_amp.numerics.NonFinite` report of
-      `jmp_amp.flax.numerics.find_nonfinite` for the first step whose
-      gradients or loss are not finite (e.g. ``print``). Costs one host
-      read of ``grads_finite`` per step until then (the step waits for the
-      device), and once, an op-by-op run of the loss and its gradient
-      outside `jit`. The compiled step is unchanged. The localiser runs the
-      model after the step (a skipped step left the params as they were)
-      with the loss scale the step used; it does not apply ``autocast``.
+    on_nonfinite: None, or a callable given a `jmp_amp.numerics.NonFinite`
+      (from `jmp_amp.flax.numerics.find_nonfinite`, with ``step``,
+      ``loss_scale`` and ``repeats`` filled in) for every distinct
+      non-finite event (e.g. ``print``): a site (op and module, or input)
+      not reported before; an inf/NaN in the inputs or the forward pass,
+      each time it starts a run of non-finite steps; and a run of
+      non-finite steps that persists for 8 steps (then 16, 32, ...) in
+      spite of the loss-scale backoffs. A routine backoff at a site already
+      reported is not reported again. When the op-by-op replay finds no
+      culprit, the report says so (``primitive="unknown"``); the callback
+      never gets None. Costs one host read of ``grads_finite`` per step
+      (the step waits for the device) and, on the 1st, 2nd, 4th, 8th...
+      non-finite step of a run, an op-by-op run of the loss and its
+      gradient outside `jit`. The compiled step is unchanged. The localiser
+      runs the model after the step (a skipped step left the params as
+      they were) with the loss scale the step used; it does not apply
+      ``autocast``.
 
   Returns:
     The step function.
@@ -252,12 +262,12 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _check_optimizer(optimizer)
+    _step_checks.check_optimizer(optimizer)
     # The FP8 amax histories are differentiated too: their "gradients" are
     # their new values, which value_and_grad writes into the model.
     diff = nnx.Any(wrt, _fp8.FP8Meta)
     graphdef, _, rest = nnx.split(model, diff, ...)
-    opt_state = _optax_state(optimizer)
+    opt_state = _step_checks.optax_state(optimizer)
 
     def forward(params, rest, batch):
       # copy: fresh Variables of this trace, which the forward pass may update.
@@ -283,9 +293,9 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
         wrt=wrt)(model)
     if numerics is not None:
       aux, outputs = aux
-      grad_stats = numerics_lib.grad_stats(model, grads, numerics)
+      grad_stats = _grad_stats(model, grads, numerics)
     optimizer.update(model, grads)
-    metrics = _metrics(_optax_state(optimizer), loss, aux, has_aux)
+    metrics = _metrics(_step_checks.optax_state(optimizer), loss, aux, has_aux)
     if numerics is not None:
       metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
       metrics["numerics"].update(numerics_lib.fp8_stats(
@@ -302,7 +312,17 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       step, donate=donate, compiler_options=compiler_options)
   if on_nonfinite is None:
     return run
-  return _with_localiser(run, loss_fn, on_nonfinite)
+  return _step_checks.with_localiser(run, loss_fn, on_nonfinite,
+                         replay_note="" if autocast is None else
+                         "which does not apply autocast=")
+
+
+def _grad_stats(model: Any, grads: Any, numerics: Any) -> dict:
+  # `watch` has already warned about a select that matches no module.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select",
+                            UserWarning)
+    return numerics_lib.grad_stats(model, grads, numerics)
 
 
 def _numerics_metrics(outputs: dict, grads: dict) -> dict:
@@ -314,32 +334,6 @@ def _numerics_metrics(outputs: dict, grads: dict) -> dict:
     if path in grads:
       merged[path]["grad"] = grads[path]
   return merged
-
-
-def _with_localiser(run: Callable[..., Any], loss_fn: Callable[..., Any],
-                    callback: Callable[[Any], Any]) -> Callable[..., Any]:
-  """`run`, which hands the first non-finite step to the localiser."""
-  reported = []
-
-  @functools.wraps(run)
-  def checked(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    if reported:
-      return run(model, optimizer, batch)
-    _check_optimizer(optimizer)
-    # A device copy: the step donates the optimizer state's buffers.
-    scale = jax.tree.map(jnp.copy, jmp_amp.get_scaling_state(
-        _optax_state(optimizer)).loss_scale)
-    metrics = run(model, optimizer, batch)
-    if not (bool(metrics["grads_finite"])
-            and bool(jnp.isfinite(metrics["loss"]))):
-      reported.append(True)
-      callback(numerics_lib.find_nonfinite(model, loss_fn, batch,
-                                           loss_scale=scale))
-    return metrics
-
-  if hasattr(run, "lower"):
-    checked.lower = run.lower
-  return checked
 
 
 def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
@@ -354,38 +348,24 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
   jitted = jax.jit(pure, static_argnums=0,
                    donate_argnums=(1,) if donate else (),
                    compiler_options=compiler_options)
+  check_replicas = _step_checks.replica_check(_step_checks.optax_state)
 
   @functools.wraps(step)
   def run(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _check_optimizer(optimizer)
+    _step_checks.check_optimizer(optimizer)
+    check_replicas(optimizer)
     graphdef, state = nnx.split((model, optimizer))
     new_state, metrics = jitted(graphdef, state, batch)
     nnx.update((model, optimizer), new_state)
     return metrics
 
   def lower(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _check_optimizer(optimizer)
+    _step_checks.check_optimizer(optimizer)
     graphdef, state = nnx.split((model, optimizer))
     return jitted.lower(graphdef, state, batch)
 
   run.lower = lower
   return run
-
-
-def _optax_state(optimizer: nnx.Optimizer) -> Any:
-  """The optax state an `nnx.Optimizer` holds, its Variables unwrapped.
-
-  (`nnx.as_pure` does this from Flax 0.12.7 on; this works on every version.)
-  """
-  return jax.tree.map(
-      lambda x: x.get_value() if isinstance(x, nnx.Variable) else x,
-      optimizer.opt_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def _check_optimizer(optimizer: Any) -> None:
-  if not isinstance(optimizer, nnx.Optimizer):
-    raise TypeError("make_train_step's step takes (model, optimizer, batch) "
-                    f"with an nnx.Optimizer, got {type(optimizer).__name__}")
 
 
 # --------------------------------------------------------------------------
@@ -489,11 +469,12 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
       loss, aux, new_cols = fn(params, cols, batch)
       return jnp.asarray(loss, jnp.float32), (aux, new_cols)
 
+    jmp_amp.get_scaling_state(state.opt_state)  # A clear error if missing.
     (loss, (aux, new_cols)), grads = jmp_amp.scaled_value_and_grad(
-        loss_of, state.opt_state, has_aux=True)(state.params)
+        loss_of, has_aux=True)(state.opt_state, state.params)
     if numerics is not None:
       aux, outputs = aux
-      grad_stats = numerics_lib.grad_stats(None, grads, numerics)
+      grad_stats = _grad_stats(None, grads, numerics)
     state = state.apply_gradients(grads=grads)
     metrics = _metrics(state.opt_state, loss, aux, has_aux)
     if numerics is not None:
@@ -505,5 +486,17 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(0,) if donate else (),
-                 compiler_options=compiler_options)
+  jitted = jax.jit(step, donate_argnums=(0,) if donate else (),
+                   compiler_options=compiler_options)
+  if jax.process_count() == 1:
+    return jitted
+  check_replicas = _step_checks.replica_check(
+      lambda state, batch: state.opt_state)
+
+  @functools.wraps(step)
+  def run(state: train_state.TrainState, batch: Any):
+    check_replicas(state, batch)
+    return jitted(state, batch)
+
+  run.lower = jitted.lower
+  return run

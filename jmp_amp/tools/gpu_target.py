@@ -7,9 +7,11 @@ with dtypes, its kernels (fusions and library calls), the GPU memory
 `memory_analysis()` assigns and an estimate of the bytes its kernels move.
 These are compiler figures, not timings: nothing runs.
 
-It needs the optional extra ``pip install "jmp-amp[gpu-audit]"`` (the CUDA
-plugin, ``nvidia-cuda-nvcc-cu12`` and, for cuDNN's fused attention,
-``nvidia-cudnn-cu12``; about 1.9 GB). On a machine without a
+It compiles with XLA's default options, as a GPU does unless told otherwise
+(``gemm="cublas"`` turns Triton GEMMs off, a configuration to ask for and
+label). It needs the optional extra ``pip install "jmp-amp[gpu-audit]"``
+(the CUDA plugin, ``nvidia-cuda-nvcc-cu12`` and, for cuDNN's fused attention,
+``nvidia-cudnn-cu12``; about 1.3 GB installed). On a machine without a
 GPU, start Python with ``JAX_PLATFORMS=cpu`` (``jmp-amp bench --target h100``
 does it for you): the plugin then registers its compile-only target without
 looking for a GPU.
@@ -112,16 +114,23 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 """
 TARGETS = {"h100": _H100_SXM}
 _TARGET_NAMES = {"h100": "H100"}
-# "cublas": every GEMM a cuBLAS(Lt) call, its algorithm chosen at run time.
-# "xla": XLA's own choice, which without a GPU to autotune on is the default
-# config of a Triton GEMM, not what a real H100 would pick.
-GEMM_BACKENDS = {"cublas": {"xla_gpu_enable_triton_gemm": False}, "xla": {}}
+# The compiler options of each `gemm` choice. "default": XLA's own options,
+# what a GPU compiles with unless told otherwise (Triton GEMMs on; without a
+# GPU to autotune on, each Triton GEMM keeps its default tiling, and no
+# GEMM is moved to cuBLAS by the autotuner). "cublas": Triton GEMMs off,
+# every GEMM a cuBLAS(Lt) call: a configuration no GPU has unless asked
+# for, kept to compare with figures made that way.
+GEMM_BACKENDS = {"default": {},
+                 "cublas": {"xla_gpu_enable_triton_gemm": False}}
+_GEMM_LABELS = {"default": "XLA's default options",
+                "cublas": "Triton GEMMs off (xla_gpu_enable_triton_gemm=False)"}
+_GPU_PLATFORMS = ("cuda", "gpu")
 
 
-def label(target: str = "h100") -> str:
+def label(target: str = "h100", gemm: str = "default") -> str:
   """The line every figure of this module carries."""
-  return (f"compiled for {_TARGET_NAMES.get(target, target)}, no GPU: "
-          "compiler figures, not timings")
+  return (f"compiled for {_TARGET_NAMES.get(target, target)}, no GPU, "
+          f"{_GEMM_LABELS.get(gemm, gemm)}: compiler figures, not timings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +139,7 @@ class GpuReport:
 
   Attributes:
     target: the target name ("h100").
+    gemm: the compiler options it was compiled with (`GEMM_BACKENDS`).
     matmuls: the GEMMs, convolutions and fused attention calls (cuDNN's
       flash attention, kind "attention") of the optimized program
       (`MatmulReport` at the compiled stage; ``target`` names library calls).
@@ -156,10 +166,11 @@ class GpuReport:
   jax_version: str = jax.__version__
   lowered: Optional[MatmulReport] = dataclasses.field(default=None,
                                                       compare=False)
+  gemm: str = "default"
 
   @property
   def label(self) -> str:
-    return label(self.target)
+    return label(self.target, self.gemm)
 
   def gemms_by_dtype(self) -> dict[str, int]:
     """Number of GEMMs and convolutions per ``"lhs x rhs -> result"``, and
@@ -184,7 +195,7 @@ class GpuReport:
   def summary(self) -> dict[str, Any]:
     """The figures as a JSON-friendly dict, labelled."""
     return {
-        "label": self.label, "target": self.target,
+        "label": self.label, "target": self.target, "gemm": self.gemm,
         "jax_version": self.jax_version,
         "gemms": len(self.matmuls) - len(self.matmuls.attention),
         "attention_calls": len(self.matmuls.attention),
@@ -220,14 +231,15 @@ def _size(n: Optional[int]) -> str:
 
 def report_from_hlo(text: str, memory: Optional[dict[str, Optional[int]]] = None,
                     target: str = "h100",
-                    lowered: Optional[MatmulReport] = None) -> GpuReport:
+                    lowered: Optional[MatmulReport] = None,
+                    gemm: str = "default") -> GpuReport:
   """A `GpuReport` from the optimized HLO text of a GPU program."""
   module = hlo_text.HloModule(text)
   by_kind: collections.Counter = collections.Counter()
   moved = 0
   for comp, instr in module.kernels():
     if instr.opcode == "fusion":
-      by_kind[instr.attr("kind") or "fusion"] += 1
+      by_kind[module.fusion_kind(instr) or "fusion"] += 1
       written = hlo_text.nbytes(instr.type)
     elif instr.opcode == "custom-call":
       by_kind[instr.attr("custom_call_target") or "custom-call"] += 1
@@ -240,7 +252,7 @@ def report_from_hlo(text: str, memory: Optional[dict[str, Optional[int]]] = None
   return GpuReport(target, MatmulReport.from_hlo(text), sum(by_kind.values()),
                    dict(by_kind.most_common()),
                    memory or dict.fromkeys(_MEMORY_FIELDS), moved,
-                   lowered=lowered)
+                   lowered=lowered, gemm=gemm)
 
 
 _MEMORY_FIELDS = ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes")
@@ -285,7 +297,7 @@ def target_device(target: str = "h100"):
 
 
 def compile_for_gpu(fn: Any, *args: Any, target: str = "h100",
-                    gemm: str = "cublas", static_argnums=(), static_argnames=(),
+                    gemm: str = "default", static_argnums=(), static_argnames=(),
                     donate_argnums=(), **kwargs: Any) -> jax.stages.Compiled:
   """Compiles `fn(*args, **kwargs)` for `target` on a machine without one.
 
@@ -294,8 +306,9 @@ def compile_for_gpu(fn: Any, *args: Any, target: str = "h100",
     *args: pytrees of arrays or `jax.ShapeDtypeStruct`; only shapes and
       dtypes are used.
     target: "h100".
-    gemm: "cublas" (every GEMM a cuBLAS call) or "xla" (XLA's untuned
-      default, see `GEMM_BACKENDS`).
+    gemm: "default" (XLA's default options, as a GPU compiles: Triton
+      GEMMs, untuned) or "cublas" (Triton GEMMs off, every GEMM a cuBLAS
+      call); see `GEMM_BACKENDS`.
     static_argnums: for the `jax.jit` applied when `fn` is not jitted yet.
     static_argnames: likewise.
     donate_argnums: likewise; donated buffers are reused for outputs, as in
@@ -305,10 +318,16 @@ def compile_for_gpu(fn: Any, *args: Any, target: str = "h100",
   Returns:
     A `jax.stages.Compiled` for the target (it cannot run here).
   """
-  return _lower_for_gpu(
+  return _compile(_lower_for_gpu(
       fn, *args, target=target, gemm=gemm, static_argnums=static_argnums,
       static_argnames=static_argnames, donate_argnums=donate_argnums,
-      **kwargs).compile(compiler_options=GEMM_BACKENDS[gemm] or None)
+      **kwargs), gemm)
+
+
+def _compile(staged, gemm: str) -> jax.stages.Compiled:
+  if isinstance(staged, jax.stages.Compiled):
+    return staged
+  return staged.compile(compiler_options=GEMM_BACKENDS[gemm] or None)
 
 
 def _lower_for_gpu(fn, *args, target, gemm, static_argnums, static_argnames,
@@ -316,6 +335,8 @@ def _lower_for_gpu(fn, *args, target, gemm, static_argnums, static_argnames,
   if gemm not in GEMM_BACKENDS:
     raise ValueError(f"gemm must be one of {', '.join(map(repr, GEMM_BACKENDS))}; "
                      f"got {gemm!r}")
+  if isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)):
+    _check_gpu_program(fn, target)
   sharding = jax.sharding.SingleDeviceSharding(target_device(target))
   static = set((static_argnums,) if isinstance(static_argnums, int)
                else static_argnums)
@@ -334,7 +355,26 @@ def _lower_for_gpu(fn, *args, target, gemm, static_argnums, static_argnames,
                      jit_kwargs={"donate_argnums": donate_argnums}, **kwargs)
 
 
-def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "cublas",
+def _check_gpu_program(staged, target: str) -> None:
+  """Refuses a Lowered/Compiled built for a platform other than a GPU."""
+  compiled = (staged if isinstance(staged, jax.stages.Compiled)
+              else staged.compile())
+  shardings = jax.tree.leaves((compiled.input_shardings,
+                               compiled.output_shardings))
+  platforms = {d.platform for s in shardings for d in s.device_set}
+  wrong = sorted(platforms - set(_GPU_PLATFORMS))
+  if wrong:
+    kind = type(staged).__name__
+    raise ValueError(
+        f"gpu_report got a jax.stages.{kind} built for {', '.join(wrong)}, "
+        f"not for {_TARGET_NAMES[target]}: its GEMMs would be that "
+        f"platform's. Pass the function and its arguments instead "
+        f"(jmp_amp.gpu_report(step, *args)), and it is lowered and compiled "
+        f"for {_TARGET_NAMES[target]}; for the program as this machine "
+        f"compiled it, use jmp_amp.matmul_report.")
+
+
+def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "default",
                static_argnums=(), static_argnames=(), donate_argnums=(),
                **kwargs: Any) -> GpuReport:
   """Compiles `fn(*args, **kwargs)` for an H100 without a GPU and reports it.
@@ -353,7 +393,8 @@ def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "cublas",
     fn: a function or an already-jitted function.
     *args: pytrees of arrays or `jax.ShapeDtypeStruct`.
     target: "h100" (an H100 SXM 80GB).
-    gemm: "cublas" or "xla", see `compile_for_gpu`.
+    gemm: "default" (XLA's default options) or "cublas" (Triton GEMMs
+      off), see `compile_for_gpu`.
     static_argnums: see `compile_for_gpu`.
     static_argnames: likewise.
     donate_argnums: likewise.
@@ -366,20 +407,24 @@ def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "cublas",
     ImportError: the ``gpu-audit`` extra (the CUDA plugin) is not installed.
     RuntimeError: the plugin gave no compile-only target (set
       ``JAX_PLATFORMS=cpu`` on a machine without a GPU).
-    ValueError: `target` or `gemm` is not a known name.
+    ValueError: `target` or `gemm` is not a known name, or `fn` is a
+      `jax.stages.Lowered`/`Compiled` built for another platform (a CPU
+      one, say).
   """
   _check_target(target)
   lowered = _lower_for_gpu(
       fn, *args, target=target, gemm=gemm, static_argnums=static_argnums,
       static_argnames=static_argnames, donate_argnums=donate_argnums, **kwargs)
-  compiled = lowered.compile(compiler_options=GEMM_BACKENDS[gemm] or None)
-  return report_from_compiled(compiled, target, lowered)
+  compiled = _compile(lowered, gemm)
+  if isinstance(lowered, jax.stages.Compiled):
+    lowered = None
+  return report_from_compiled(compiled, target, lowered, gemm)
 
 
 def report_from_compiled(compiled: jax.stages.Compiled,
                          target: str = "h100",
-                         lowered: Optional[jax.stages.Lowered] = None
-                         ) -> GpuReport:
+                         lowered: Optional[jax.stages.Lowered] = None,
+                         gemm: str = "default") -> GpuReport:
   """The `GpuReport` of a program `compile_for_gpu` compiled for `target`
   (for a caller that also wants the compiled program, e.g. its HLO text);
   with its `lowered` program, the report can check FP8 layers
@@ -391,4 +436,4 @@ def report_from_compiled(compiled: jax.stages.Compiled,
               for f in _MEMORY_FIELDS}
   asked = None if lowered is None else MatmulReport.from_stablehlo(
       lowered.compiler_ir("stablehlo"))
-  return report_from_hlo(compiled.as_text(), memory, target, asked)
+  return report_from_hlo(compiled.as_text(), memory, target, asked, gemm)

@@ -93,6 +93,32 @@ class HloModule:
             for n in re.findall(r"%([\w.\-]+)", m.group(1))
             if n in self.computations]
 
+  def fusion_kind(self, instr: Instr) -> Optional[str]:
+    """A fusion's kind: its backend config's (``"__triton_gemm"``...) for a
+    custom fusion, else the ``kind=`` attribute ("kLoop", "kInput")."""
+    kind = instr.attr("kind")
+    if kind == "kCustom":
+      kind = instr.backend_config().get("fusion_backend_config", {}).get(
+          "kind", kind)
+    return kind
+
+  def triton_computations(self) -> dict[str, str]:
+    """{computation: fusion kind} for the bodies of Triton fusions (GEMMs
+    XLA generates code for), nested computations included."""
+    found = {}
+    for instrs in self.computations.values():
+      for instr in instrs:
+        kind = self.fusion_kind(instr) if instr.opcode == "fusion" else None
+        if kind and kind.startswith("__triton"):
+          stack = self.called(instr)
+          while stack:
+            comp = stack.pop()
+            if comp not in found:
+              found[comp] = kind
+              stack += [c for i in self.computations[comp]
+                        for c in self.called(i)]
+    return found
+
   def walk(self) -> Iterator[tuple[str, Instr]]:
     """(computation, instruction) from the entry in program order, each
     called computation expanded where it is called."""

@@ -73,8 +73,10 @@ class MatmulRecord:
       the program carries it.
     location: "file.py:LINE" of the innermost call from user code (not from
       jmp_amp or an installed library such as Flax), when known.
-    target: the custom-call target of a GPU library call ("__cublas$gemm"),
-      else None.
+    target: the custom-call target of a GPU library call
+      ("__cublas$lt$matmul"), or the kind of the Triton fusion a GEMM was
+      generated in ("__triton_gemm", "__triton_nested_gemm_fusion"), else
+      None.
   """
 
   kind: str
@@ -428,10 +430,13 @@ def report_from_hlo(text: str) -> MatmulReport:
   if not text:
     raise ValueError("this backend's Compiled object has no HLO text to audit")
   module = hlo_text.HloModule(text)
+  triton = module.triton_computations()
   records = []
   for comp, instr in module.walk():
     rec = _hlo_record(module, comp, instr)
     if rec is not None:
+      if comp in triton and rec.target is None:
+        rec = dataclasses.replace(rec, target=triton[comp])
       records.append(rec)
   return MatmulReport(records, stage="compiled")
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from jmp_amp._src import dtypes
 from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src import fp8_ops
 from jmp_amp._src.autocast import attention
 from jmp_amp._src.autocast import structural
 from jmp_amp._src.autocast.casting import bind
@@ -41,8 +42,8 @@ _F32 = np.dtype(np.float32)
 
 # The matmul primitives float8 mode runs in FP8 (when on the half list).
 _FP8_MATMULS = {
-    "dot_general": fp8_lib.autocast_dot_general,
-    "conv_general_dilated": fp8_lib.autocast_conv_general_dilated,
+    "dot_general": fp8_ops.autocast_dot_general,
+    "conv_general_dilated": fp8_ops.autocast_conv_general_dilated,
 }
 
 
@@ -220,11 +221,11 @@ def _as_policy(policy_or_dtype: Any
   elif fp8_lib.is_fp8_name(policy_or_dtype):
     recipe = fp8_lib.FP8Recipe()
   if recipe is not None:
-    if recipe.scaling != "current":
+    if recipe.scaling == "delayed":
       raise ValueError(
-          "autocast runs FP8 matmuls with current scaling (it keeps no state "
-          f"between calls), got an FP8Recipe with scaling={recipe.scaling!r}."
-          " For delayed scaling use 'float8' rules of "
+          "autocast runs FP8 matmuls with current or rowwise scaling (it "
+          "keeps no state between calls), got an FP8Recipe with "
+          "scaling='delayed'. For delayed scaling use 'float8' rules of "
           "jmp_amp.flax.set_policies (NNX) or jmp_amp.fp8.dot_general with "
           "an FP8State.")
     return Policy(_F32, recipe.compute_dtype, _F32), recipe
@@ -332,8 +333,9 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
       `jmp_amp.get_policy` ("mixed_bfloat16" has bfloat16 outputs,
       "p=f32,c=bf16,o=f32" float32 ones); a floating dtype, meaning that
       compute dtype with float32 outputs; or ``"float8"`` (also "fp8",
-      "f8") or a current-scaling `jmp_amp.fp8.FP8Recipe`: FP8 matmuls (see
-      above) with float32 outputs.
+      "f8") or a current- or rowwise-scaling `jmp_amp.fp8.FP8Recipe`: FP8
+      matmuls (see above; convolutions scale per tensor) with float32
+      outputs.
     rules: the `AutocastRules`; default `DEFAULT_AUTOCAST_RULES`.
 
   Returns:

@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "report GEMM dtypes, kernels, memory and bytes "
                       "(compiler figures, not timings; needs the gpu-audit "
                       "extra)")
+  parser.add_argument("--gemm", choices=["default", "cublas"],
+                      default="default",
+                      help="with --target: compile with XLA's default options "
+                      "(as a GPU does, the default) or with Triton GEMMs off "
+                      "(cublas: every GEMM a cuBLAS call, labelled as such)")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   return parser
 
@@ -379,6 +384,8 @@ def _bench(argv: list[str]) -> int:
   env = {k: runs[0][k] for k in ("device", "platform", "versions")}
   table.print_table(runs, env, cfg)
   code = 0 if all(r["status"] == "ok" for r in runs) else 1
+  if table.fp8_failures(runs):
+    code = 1
   if args.json:
     with open(args.json, "w") as f:
       for r in runs:

@@ -26,6 +26,7 @@ import jax
 
 from jmp_amp.tools import gpu_target
 from jmp_amp.tools.bench import table as table_lib
+from jmp_amp.tools.bench import timing
 from jmp_amp.tools.bench import workloads
 
 DEFAULT_MODES = ("float32", "bf16", "fp16", "autocast-bf16", "autocast-fp16")
@@ -59,22 +60,27 @@ def row_from_report(name: str, report: gpu_target.GpuReport) -> dict[str, Any]:
   layers = report.fp8_layers()
   if layers:  # FP8 layers of a Flax model: did each compile to FP8 GEMMs?
     row.update(fp8_layers=len(layers), fp8_fallbacks=report.fp8_fallbacks())
+  if name in workloads.FP8_MODES:
+    row["fp8_problem"] = timing.fp8_check(name, report.matmuls,
+                                          report.lowered)
   return row
 
 
 def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
-                target: str = "h100") -> dict[str, Any]:
+                target: str = "h100", gemm: str = "default") -> dict[str, Any]:
   """Compiles one mode's step for `target`; a JSON-friendly row.
 
   Args:
     name: a mode of `jmp_amp.tools.bench.workloads.JAX_MODES`.
     build: ``mode dict -> (jitted step, state, batch)``.
     target: the GPU target.
+    gemm: the compiler options, see `jmp_amp.tools.gpu_target.GEMM_BACKENDS`.
   """
   try:
     with workloads.precision_context(name):
       step, state, batch = build(workloads.JAX_MODES[name])
-      report = gpu_target.gpu_report(step, state, batch, target=target)
+      report = gpu_target.gpu_report(step, state, batch, target=target,
+                                     gemm=gemm)
   except Exception as e:  # pylint: disable=broad-except
     # One failing mode must not lose the others.
     return dict(mode=name, status="failed", error=f"{type(e).__name__}: {e}",
@@ -98,8 +104,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 def workload_reports(model: str, cfg: workloads.Config,
                      modes: Sequence[str] = DEFAULT_MODES,
                      target: str = "h100",
-                     progress: Callable[[str], None] = lambda text: None
-                     ) -> list[dict[str, Any]]:
+                     progress: Callable[[str], None] = lambda text: None,
+                     gemm: str = "default") -> list[dict[str, Any]]:
   """Rows of `mode_report` for one `jmp-amp bench` model, with ratios.
 
   `progress` is told when each mode starts and ends compiling.
@@ -113,7 +119,7 @@ def workload_reports(model: str, cfg: workloads.Config,
   rows = []
   for k, name in enumerate(modes, 1):
     progress(f"compiling {name} ({k}/{len(modes)}) for {target}")
-    rows.append(mode_report(name, build, target))
+    rows.append(mode_report(name, build, target, gemm))
     progress(f"{name}: " + ("compiled" if rows[-1]["status"] == "ok"
                             else "FAILED"))
   add_ratios(rows)
@@ -186,6 +192,12 @@ def verdict(rows: list[dict[str, Any]]) -> str:
     parts.append(f"every GEMM in half precision or FP8 in {', '.join(full)}")
   if partly:
     parts.append(f"float32 GEMMs left in {', '.join(partly)}")
+  not_fp8 = [r["mode"] for r in others if r.get("fp8_problem")]
+  if not_fp8:
+    parts.append(f"FAILED: {', '.join(not_fp8)} compiled to GEMMs that are "
+                 "not FP8 (" + "; ".join(
+                     f"{r['mode']}: {r['fp8_problem']}" for r in others
+                     if r.get("fp8_problem")) + ")")
   for r in others:
     if r.get("fp8_layers"):
       bad = r["fp8_fallbacks"]
@@ -204,14 +216,15 @@ def format_report(rows: list[dict[str, Any]], title: str,
   """The table within `width` columns, its legend, the verdict, errors."""
   width = width or table_lib.terminal_width()
   target = rows[0].get("target", "h100") if rows else "h100"
+  gemm = rows[0].get("gemm", "default") if rows else "default"
   cells = table(rows)
   shown = table_lib.fit_columns(COLUMNS, cells, _PRIORITIES, width)
   for r, row in zip(rows, cells):
     if r["status"] != "ok":  # "FAILED" where it shows, the error below
       row[shown[1] if len(shown) > 1 else 0] = "FAILED"
   out = [table_lib.wrap(title, width),
-         table_lib.wrap(f"({gpu_target.label(target)}; jax {jax.__version__})",
-                        width)]
+         table_lib.wrap(f"({gpu_target.label(target, gemm)}; jax "
+                        f"{jax.__version__})", width)]
   out += table_lib.render(COLUMNS, cells, shown, _RIGHT)
   out.append("")
   out.append(table_lib.wrap(LEGEND, width, "  "))
@@ -250,7 +263,8 @@ def run(args: argparse.Namespace, cfg: workloads.Config) -> int:
     if not args.no_progress:
       print(f"jmp-amp bench: {text}", file=sys.stderr, flush=True)
 
-  rows = workload_reports(cfg.model, cfg, modes, args.target, progress)
+  rows = workload_reports(cfg.model, cfg, modes, args.target, progress,
+                          args.gemm)
   sizes = (f"width={cfg.width} layers={cfg.layers} " if cfg.model == "mlp"
            else "")
   print_table(rows, f"{cfg.model} {sizes}batch={cfg.batch_size}, train step "
@@ -260,4 +274,5 @@ def run(args: argparse.Namespace, cfg: workloads.Config) -> int:
       for r in rows:
         f.write(json.dumps(dict(r, config=dataclasses.asdict(cfg)),
                            sort_keys=True, default=str) + "\n")
-  return 0 if all(r["status"] == "ok" for r in rows) else 1
+  ok = all(r["status"] == "ok" and not r.get("fp8_problem") for r in rows)
+  return 0 if ok else 1

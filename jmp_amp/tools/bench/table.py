@@ -59,9 +59,18 @@ def _matmul_cell(matmuls: Any) -> str:
                    for k, v in matmuls.get("by_signature", {}).items())
   if matmuls.get("fp8") == "emulated":
     return f"FP8 emulated (E4M3/E5M2-rounded operands): {cell}"
+  if matmuls.get("fp8") == "fallback":
+    return f"NOT FP8 on this device ({matmuls.get('fp8_problem')}): {cell}"
   if matmuls.get("fp8"):
-    return f"FP8 as quantize-dequantize: {cell}"
+    return f"FP8 GEMMs as compiled: {cell}"
   return cell
+
+
+def fp8_failures(runs: list[dict[str, Any]]) -> list[str]:
+  """The FP8 modes whose compiled GEMMs were not FP8."""
+  return [r["mode"] for r in runs if r.get("status") == "ok"
+          and isinstance(r.get("matmuls"), dict)
+          and r["matmuls"].get("fp8") == "fallback"]
 
 
 def _memory_cell(r: dict[str, Any], value: Optional[float], spec: str) -> str:
@@ -76,21 +85,21 @@ _COLUMN_SPECS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool, int],
     ("step ms", lambda r: _fmt(r["median_step_s"] * 1e3, ".2f"), True, 1),
     ("spread", lambda r: _fmt(None if r.get("step_spread") is None
                               else r["step_spread"] * 100, ".0f", "%"),
-     True, 7),
+     True, 8),
     ("speed-up", lambda r: _fmt(r.get("speedup_vs_float32"), ".2f", "x"),
      True, 2),
     ("memory", lambda r: _memory_cell(r, r.get("memory_ratio_vs_float32"),
                                       ".2f"), True, 4),
     ("peak MiB", lambda r: _memory_cell(
         r, r["peak_memory_bytes"] / 2**20 if r.get("peak_memory_bytes")
-        else None, ",.1f"), True, 8),
-    ("final loss", lambda r: _fmt(r["final_loss"], ".4g"), True, 3),
+        else None, ",.1f"), True, 9),
+    ("loss", lambda r: _fmt(r["final_loss"], ".4g"), True, 3),
     ("skipped", lambda r: str(r["skipped_steps"]), True, 5),
     ("scale", lambda r: _fmt(r.get("loss_scale"),
                              ".0f" if (r.get("loss_scale") or 0) < 1e9
                              else ".3g"), True, 6),
-    ("compile s", lambda r: _fmt(r.get("compile_s"), ".2f"), True, 10),
-    ("samples/s", lambda r: _fmt(r.get("samples_per_s"), ",.0f"), True, 9),
+    ("compile s", lambda r: _fmt(r.get("compile_s"), ".2f"), True, 7),
+    ("samples/s", lambda r: _fmt(r.get("samples_per_s"), ",.0f"), True, 10),
     ("TFLOP/s", lambda r: _fmt(r.get("tflops"), ".2f"), True, 11),
     ("matmuls", lambda r: _matmul_cell(r.get("matmuls")), False, 12),
 )
@@ -165,8 +174,9 @@ def legend(runs: list[dict[str, Any]], cfg: workloads.Config, shown: Sequence[st
       f"memory: this row's peak memory / the float32 row's{vs_torch}; * = "
       "from the compiled program's memory analysis (arguments, outputs and "
       "temporaries), used where the device reports no peak of its own.",
-      "final loss: the last step's loss; skipped: steps skipped for inf/NaN "
-      "gradients; scale: the final dynamic loss scale (- = no loss scaling).",
+      "loss: the last step's loss; skipped: steps skipped for inf/NaN "
+      "gradients; scale: the final dynamic loss scale (- = no loss scaling); "
+      "compile s: seconds to trace, lower and compile the step.",
   ]
   hidden = [c for c in COLUMNS if c not in shown and c != "matmuls"]
   if hidden:
@@ -177,6 +187,35 @@ def legend(runs: list[dict[str, Any]], cfg: workloads.Config, shown: Sequence[st
 
 def _steps(r: dict[str, Any]) -> Optional[int]:
   return (r.get("config") or {}).get("steps")
+
+
+def _noise(r: dict[str, Any]) -> float:
+  return r.get("step_spread") or 0.0
+
+
+def _beyond(fast: dict[str, Any], slow: dict[str, Any]) -> bool:
+  """Whether `fast` beats `slow` by more than their spreads together."""
+  ratio = fast["speedup_vs_float32"] / slow["speedup_vs_float32"]
+  return ratio - 1.0 > _noise(fast) + _noise(slow)
+
+
+def _fastest(rows: list[dict[str, Any]]) -> str:
+  """The fastest JAX mode, named only if it is faster beyond the spread."""
+  best = max(rows, key=lambda r: r["speedup_vs_float32"])
+  base = next((r for r in rows if r["mode"] == "float32"), None)
+  spread = f"spread ±{_noise(best):.0%}"
+  if base is not None and base is not best and not _beyond(best, base):
+    return (f"no JAX mode is faster than float32 beyond the timing spread "
+            f"(the best, {best['mode']}, at {best['speedup_vs_float32']:.2f}x"
+            f" with {spread}, float32's ±{_noise(base):.0%})")
+  if base is best:
+    return "no JAX mode is faster than float32"
+  close = [r["mode"] for r in rows
+           if r is not best and r is not base and not _beyond(best, r)]
+  return (f"fastest JAX mode {best['mode']} at "
+          f"{best['speedup_vs_float32']:.2f}x float32's speed ({spread}"
+          + (f"; {', '.join(close)} within the spread" if close else "")
+          + ")")
 
 
 def verdict(runs: list[dict[str, Any]]) -> str:
@@ -190,9 +229,7 @@ def verdict(runs: list[dict[str, Any]]) -> str:
   jax_rows = [r for r in trained if r["framework"] == "jax"
               and r.get("speedup_vs_float32") is not None]
   if jax_rows:
-    best = max(jax_rows, key=lambda r: r["speedup_vs_float32"])
-    parts.append(f"fastest JAX mode {best['mode']} at "
-                 f"{best['speedup_vs_float32']:.2f}x float32's speed")
+    parts.append(_fastest(jax_rows))
   bad = [r["mode"] for r in ok if not math.isfinite(r["final_loss"])]
   if bad:
     parts.append(f"non-finite final loss in {', '.join(bad)}")
@@ -218,6 +255,10 @@ def verdict(runs: list[dict[str, Any]]) -> str:
   if spreads and max(spreads) > 0.2:
     parts.append(f"timings are noisy (spread up to {max(spreads):.0%}): "
                  "use more --repeats or an idle machine")
+  not_fp8 = fp8_failures(runs)
+  if not_fp8:
+    parts.append(f"FAILED: {', '.join(not_fp8)} did not run FP8 GEMMs on "
+                 "this device (see the matmuls lines)")
   failed = [r["mode"] for r in runs if r.get("status") != "ok"]
   if failed:
     parts.append(f"{len(failed)} failed ({', '.join(failed)})")

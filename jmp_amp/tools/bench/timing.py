@@ -44,6 +44,32 @@ def _compiled_memory(compiled) -> dict[str, Optional[int]]:
           "output_bytes": int(analysis.output_size_in_bytes)}
 
 
+def fp8_check(name: str, compiled_report, asked_report) -> Optional[str]:
+  """Why FP8 mode `name` did not run FP8 GEMMs in the compiled program, or
+  None when it did (or `name` is not an FP8 mode).
+
+  A mode with FP8 layers (Flax rules) must have each layer's GEMMs FP8 and
+  none merged away (`MatmulReport.fp8_fallbacks` against the lowered
+  program); an autocast FP8 mode, whose every matmul is FP8, must compile
+  to FP8 GEMMs only.
+  """
+  if name not in workloads.FP8_MODES:
+    return None
+  if workloads.JAX_MODES[name].get("autocast"):
+    bad = {s: n for s, n in compiled_report.counts_by_signature().items()
+           if not s.startswith("float8") or " x float8" not in s}
+    if bad or not len(compiled_report):
+      return ("not every GEMM is FP8: " + (", ".join(
+          f"{n} x {s}" for s, n in bad.items()) or "no GEMM"))
+    return None
+  if not compiled_report.fp8_layers():
+    return "no FP8 layer in the compiled program"
+  fallbacks = compiled_report.fp8_fallbacks(expected=asked_report)
+  if fallbacks:
+    return "; ".join(f"{layer}: {why}" for layer, why in fallbacks.items())
+  return None
+
+
 @dataclasses.dataclass
 class PreparedMode:
   """One JAX mode, compiled, with its initial state kept for every repeat."""
@@ -53,6 +79,7 @@ class PreparedMode:
   compile_s: float
   report: Any
   memory: dict[str, Optional[int]]
+  fp8_problem: Optional[str] = None
   repeat_medians: list[float] = dataclasses.field(default_factory=list)
   total_s: float = 0.0
   metrics: Any = None
@@ -65,15 +92,21 @@ def prepare_jax_mode(name: str, cfg: workloads.Config,
     work = workloads.BUILDERS[cfg.model](workloads.JAX_MODES[name], cfg)
     t0 = time.perf_counter()
     lowered = work.step.lower(work.state, work.batches[0])
-    report = audit.matmul_report(lowered)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
+    asked = audit.matmul_report(lowered)
+    # On a GPU the table lists the GEMMs the device compiled; on a CPU,
+    # whose compiled program upcasts half matmuls, those the step asks for.
+    report = (asked if jax.default_backend() == "cpu"
+              else audit.matmul_report(compiled))
+    problem = (None if jax.default_backend() == "cpu"
+               else fp8_check(name, report, asked))
   if hlo_dir:
     with open(os.path.join(hlo_dir, f"{cfg.model}-{name}.stablehlo.mlir"),
               "w") as f:
       f.write(lowered.as_text())
   return PreparedMode(name, work, compiled, compile_s, report,
-                      _compiled_memory(compiled))
+                      _compiled_memory(compiled), problem)
 
 
 def time_repeat(prep: PreparedMode, cfg: workloads.Config,
@@ -118,13 +151,16 @@ def finish_jax_mode(prep: PreparedMode, isolated: bool) -> dict[str, Any]:
   # analysis is the per-mode figure.
   peak = device_peak_bytes() if isolated else None
   median = statistics.median(prep.repeat_medians)
-  summary = dict(prep.report.summary(),
+  summary = dict(prep.report.summary(), stage=prep.report.stage,
                  input_dtypes=sorted(prep.report.input_dtypes()))
   if prep.name in workloads.FP8_MODES:
-    # The lowered program rounds operands to FP8 and multiplies them in
-    # bfloat16; only XLA:GPU on Hopper fuses that into FP8 GEMMs.
-    summary["fp8"] = ("emulated" if jax.default_backend() == "cpu"
-                      else "qdq")
+    # On a CPU the FP8-rounded operands are multiplied as XLA:CPU can; on a
+    # GPU the compiled program says whether its GEMMs are FP8.
+    if jax.default_backend() == "cpu":
+      summary["fp8"] = "emulated"
+    else:
+      summary["fp8"] = "fp8 gemms" if prep.fp8_problem is None else "fallback"
+      summary["fp8_problem"] = prep.fp8_problem
   return dict(
       status="ok", framework="jax", compile_s=prep.compile_s,
       total_s=prep.total_s,

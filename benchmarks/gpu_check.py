@@ -1,0 +1,361 @@
+"""The device check: every precision mode on a real GPU, in one command.
+
+    python benchmarks/gpu_check.py            # on a GPU: writes
+                                              # benchmarks/results/gpu_check_<device>.json
+    python benchmarks/gpu_check.py --small    # tiny sizes (the tests run it on a CPU)
+
+Two workloads, as users run them, compiled with XLA's default options:
+
+* ``mlp``: the bench's MLP at its compute-bound sizes (width 8192, 3 layers,
+  batch 4096, SGD): float32, bf16, fp16 with dynamic loss scaling, FP8
+  (current scaling with the first and last layer kept bf16, all layers FP8,
+  delayed, rowwise), autocast FP8, bf16 with 16-bit params and state, and bf16
+  with telemetry (``numerics="**"``); torch float32 and autocast rows where
+  torch is installed.
+* ``gpt``: `jmp_amp.models.GPT` (d_model 2048, 16 heads, 4 blocks, T 1024,
+  batch 8, vocab 32768, adamw) in the same modes (but all-FP8 and autocast).
+
+Each workload runs in a process of its own (a hung compile loses that
+workload only): every mode is compiled (the seconds it took are recorded),
+then timed in interleaved repeats of ``--steps`` steps, one device sync per
+repeat. Per mode the JSON records the median ms/step over the repeats and
+their spread, the compile seconds, the memory of the compiled program
+(arguments, outputs, temporaries; the device's peak counter only grows, so
+it is recorded once per workload), the final loss and the GEMM dtypes of the
+program the device compiled, with `fp8_check`'s verdict for FP8 modes. The
+summary gives the ratios the issues set targets for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = {
+    "mlp": dict(width=8192, layers=3, batch_size=4096),
+    "gpt": dict(vocab_size=32768, d_model=2048, num_heads=16, num_layers=4,
+                max_len=1024, batch_size=8),
+}
+SMALL = {
+    "mlp": dict(width=64, layers=3, batch_size=16),
+    "gpt": dict(vocab_size=128, d_model=32, num_heads=2, num_layers=2,
+                max_len=16, batch_size=2),
+}
+MODES = {
+    "float32": dict(),
+    "bf16": dict(compute="bfloat16"),
+    "fp16": dict(compute="float16", scale="dynamic"),
+    "fp8": dict(fp8="current"),
+    "fp8-all": dict(fp8="current", keep_first_last=False, models=("mlp",)),
+    "fp8-delayed": dict(fp8="delayed"),
+    "fp8-rowwise": dict(fp8="rowwise"),
+    "autocast-fp8": dict(autocast="float8", models=("mlp",)),
+    "bf16-state16": dict(compute="bfloat16", state16=True),
+    "bf16-telemetry": dict(compute="bfloat16", numerics="**"),
+}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def modes_for(model, names=None):
+  return [n for n in (names or MODES)
+          if model in MODES[n].get("models", (model,))]
+
+
+# --------------------------------------------------------------------------
+# One workload, in its own process.
+
+
+def _rules(mode):
+  import jax.numpy as jnp
+  import jmp_amp
+  import jmp_amp.flax as jflax
+  if mode.get("fp8"):
+    recipe = {"current": jmp_amp.fp8.FP8Recipe(),
+              "delayed": jmp_amp.fp8.delayed_scaling(16),
+              "rowwise": jmp_amp.fp8.FP8Recipe(scaling="rowwise")}[mode["fp8"]]
+    return jflax.mixed_rules() | {"*": jflax.fp8.FP8Policy(
+        recipe, keep_first_last=mode.get("keep_first_last", True))}
+  if mode.get("state16"):
+    return jflax.mixed_rules(
+        "bfloat16", param="bfloat16",
+        norms="params=bfloat16,compute=float32,output=float32")
+  if mode.get("compute"):
+    return jflax.mixed_rules(jnp.dtype(mode["compute"]).name)
+  return None
+
+
+def build(model_name, mode, sizes, seed=0):
+  """(jitted step, state, batches, model FLOPs per step) of one mode."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+  import jmp_amp
+  import jmp_amp.flax as jflax
+  from jmp_amp import optim
+  from jmp_amp.models import data as data_lib
+  from jmp_amp.models import gpt as gpt_lib
+  from jmp_amp.models import mlp as mlp_lib
+
+  rngs = nnx.Rngs(seed)
+  if model_name == "mlp":
+    w, b = sizes["width"], sizes["batch_size"]
+    model = mlp_lib.MLP(w, w, num_layers=sizes["layers"], rngs=rngs)
+    xs, ys = data_lib.regression_batches(2, b, w, w, seed=seed)
+    batches = [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(xs, ys)]
+    loss = mlp_lib.mse_loss
+    base = optax.sgd(0.01)
+    flops = 6.0 * b * w * w * sizes["layers"]
+  else:
+    cfg = {k: v for k, v in sizes.items() if k != "batch_size"}
+    model = gpt_lib.GPT(**cfg, rngs=rngs)
+    tokens = [jnp.asarray(data_lib.token_batch(
+        sizes["batch_size"], cfg["max_len"], cfg["vocab_size"], seed=seed + i))
+              for i in range(2)]
+    batches = [(t, t) for t in tokens]
+    loss = gpt_lib.lm_loss
+    base = optax.adamw(1e-4)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model,
+                                                               nnx.Param)))
+    tokens_per_step = sizes["batch_size"] * cfg["max_len"]
+    # PaLM's 6ND plus the attention scores and weighted sum (12 L T d).
+    flops = (6.0 * n_params * tokens_per_step + 12.0 * cfg["num_layers"]
+             * cfg["max_len"] * cfg["d_model"] * tokens_per_step)
+  rules = _rules(mode)
+  if rules is not None:
+    jflax.set_policies(model, rules, example_args=(batches[0][0][:1],))
+  if mode.get("state16"):
+    base = optax.chain(optim.compress_state(base, seed=seed),
+                       optim.low_precision_params("stochastic", seed=seed))
+  scale = (jmp_amp.DynamicLossScale(2.0**15) if mode.get("scale")
+           else jmp_amp.NoOpLossScale())
+  optimizer = nnx.Optimizer(model, jmp_amp.loss_scaling(base, scale),
+                            wrt=nnx.Param)
+  inner = jflax.make_train_step(
+      lambda m, batch: loss(m(batch[0]), batch[1]), jit=False,
+      autocast=mode.get("autocast"), numerics=mode.get("numerics"))
+  graphdef, state = nnx.split((model, optimizer))
+
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    metrics = inner(model, optimizer, batch)
+    return nnx.state((model, optimizer)), metrics["loss"]
+
+  return jax.jit(step, donate_argnums=0), state, batches, flops
+
+
+def _memory(compiled):
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return None
+  return int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
+             + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+
+
+def run_workload(model_name, names, sizes, steps, repeats, out_path):
+  """Compiles and times every mode of one workload; appends JSON lines."""
+  import jax
+  from jmp_amp.tools import audit
+  from jmp_amp.tools.bench import timing
+
+  def emit(record):
+    with open(out_path, "a") as f:
+      f.write(json.dumps(record, default=str) + "\n")
+
+  prepared = {}
+  for name in names:
+    mode = MODES[name]
+    try:
+      t0 = time.perf_counter()
+      step, state, batches, flops = build(model_name, mode, sizes)
+      lowered = step.lower(state, batches[0])
+      compiled = lowered.compile()
+      compile_s = time.perf_counter() - t0
+      device_report = audit.matmul_report(compiled)
+      on_cpu = jax.default_backend() == "cpu"
+      problem = None if on_cpu else timing.fp8_check(
+          "autocast-fp8" if mode.get("autocast") else
+          ("fp8" if mode.get("fp8") else "bf16"), device_report,
+          audit.matmul_report(lowered))
+      prepared[name] = dict(compiled=compiled, state=state, batches=batches,
+                            times=[], flops=flops)
+      emit(dict(workload=model_name, mode=name, event="compiled",
+                compile_s=compile_s, memory_bytes=_memory(compiled),
+                gemms=device_report.counts_by_signature(),
+                gemm_stage="compiled", fp8_problem=problem))
+    except Exception as e:  # pylint: disable=broad-except
+      emit(dict(workload=model_name, mode=name, event="failed",
+                error=f"{type(e).__name__}: {e}"[:2000]))
+  for name, p in prepared.items():  # warm-up: the first runs, untimed
+    p["state"], loss = p["compiled"](p["state"], p["batches"][0])
+    jax.block_until_ready(loss)
+  for _ in range(repeats):  # interleaved: drift spreads over every mode
+    for name, p in prepared.items():
+      t0 = time.perf_counter()
+      for i in range(steps):
+        p["state"], loss = p["compiled"](p["state"], p["batches"][i % 2])
+      p["loss"] = float(jax.block_until_ready(loss))
+      p["times"].append((time.perf_counter() - t0) / steps)
+  stats = jax.devices()[0].memory_stats() or {}
+  for name, p in prepared.items():
+    median = statistics.median(p["times"])
+    emit(dict(workload=model_name, mode=name, event="timed",
+              ms_per_step=median * 1e3,
+              spread=(max(p["times"]) - min(p["times"])) / 2 / median,
+              repeat_ms=[t * 1e3 for t in p["times"]], final_loss=p["loss"],
+              model_tflops=p["flops"] / median / 1e12,
+              process_peak_bytes=stats.get("peak_bytes_in_use")))
+
+
+# --------------------------------------------------------------------------
+# The parent: one process per workload, torch rows, the summary.
+
+
+def _torch_mlp_rows(sizes, steps, repeats):
+  """torch float32 and autocast(+GradScaler) on the same MLP, or []."""
+  import importlib.util
+  if importlib.util.find_spec("torch") is None:
+    return []
+  from jmp_amp.tools.bench import torch_runner
+  from jmp_amp.tools.bench import workloads
+  cfg = workloads.Config(model="mlp", width=sizes["width"],
+                         layers=sizes["layers"],
+                         batch_size=sizes["batch_size"], batches=2, epochs=1,
+                         steps=steps + 2, warmup=2, lr=0.01, seed=0,
+                         init_scale=2.0**15, repeats=repeats)
+  rows = []
+  for name in ("torch-float32", "torch-autocast+scaler"):
+    try:
+      r = torch_runner.run_torch_mode(name, cfg)
+      rows.append(dict(workload="mlp", mode=name, ms_per_step=r[
+          "median_step_s"] * 1e3, final_loss=r["final_loss"],
+                       peak_bytes=r.get("peak_memory_bytes")))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(dict(workload="mlp", mode=name,
+                       error=f"{type(e).__name__}: {e}"))
+  return rows
+
+
+def _ratio(rows, workload, a, b):
+  ms = {r["mode"]: r.get("ms_per_step") for r in rows
+        if r["workload"] == workload}
+  return ms[b] / ms[a] if ms.get(a) and ms.get(b) else None
+
+
+def summary(rows):
+  """The figures the issues set targets for (speed = 1 / ms per step)."""
+  compile_s = {(r["workload"], r["mode"]): r.get("compile_s") for r in rows}
+  rowwise_compile = None
+  if compile_s.get(("gpt", "fp8-rowwise")) and compile_s.get(("gpt", "bf16")):
+    rowwise_compile = (compile_s[("gpt", "fp8-rowwise")]
+                       / compile_s[("gpt", "bf16")])
+  return {
+      "mlp fp8-all speed vs bf16": _ratio(rows, "mlp", "fp8-all", "bf16"),
+      "gpt fp8 speed vs bf16": _ratio(rows, "gpt", "fp8", "bf16"),
+      "gpt fp8-rowwise speed vs bf16": _ratio(rows, "gpt", "fp8-rowwise",
+                                              "bf16"),
+      "gpt fp8-rowwise compile s vs bf16": rowwise_compile,
+      "gpt fp16 speed vs bf16": _ratio(rows, "gpt", "fp16", "bf16"),
+      "fp8 modes whose device GEMMs are not all FP8": sorted(
+          f"{r['workload']}/{r['mode']}" for r in rows
+          if r.get("fp8_problem")),
+  }
+
+
+def device_name():
+  import jax
+  d = jax.devices()[0]
+  return re.sub(r"[^a-z0-9]+", "-", getattr(d, "device_kind",
+                                            d.platform).lower()).strip("-")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--small", action="store_true",
+                      help="tiny sizes, for a CPU (the tests)")
+  parser.add_argument("--workloads", nargs="+", choices=list(SIZES),
+                      default=list(SIZES))
+  parser.add_argument("--modes", nargs="+", choices=list(MODES))
+  parser.add_argument("--steps", type=int, default=None)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--timeout", type=float, default=240,
+                      help="seconds each workload's process may take")
+  parser.add_argument("--out", help="the JSON file (default: "
+                      "benchmarks/results/gpu_check_<device>.json)")
+  parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  sizes = SMALL if args.small else SIZES
+  steps = args.steps or (2 if args.small else 10)
+  if args.worker:
+    model_name, names, out_path, reps = args.worker
+    run_workload(model_name, names.split(","), sizes[model_name], steps,
+                 int(reps), out_path)
+    return 0
+  lines_path = (args.out or "gpu_check") + ".partial.jsonl"
+  if os.path.exists(lines_path):
+    os.remove(lines_path)
+  started = time.perf_counter()
+  for model_name in args.workloads:
+    names = modes_for(model_name, args.modes)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name,
+           ",".join(names), lines_path, str(args.repeats),
+           "--steps", str(steps)] + (["--small"] if args.small else [])
+    print(f"gpu_check: {model_name}: {', '.join(names)}", flush=True)
+    try:
+      subprocess.run(cmd, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+      with open(lines_path, "a") as f:
+        f.write(json.dumps(dict(workload=model_name, event="timeout",
+                                error=f"not done within {args.timeout} s"))
+                + "\n")
+  records = []
+  if os.path.exists(lines_path):
+    with open(lines_path) as f:
+      records = [json.loads(line) for line in f]
+    os.remove(lines_path)
+  rows = {}
+  for r in records:
+    if "mode" in r:
+      rows.setdefault((r["workload"], r["mode"]), {}).update(
+          {k: v for k, v in r.items() if k != "event"})
+  for r in records:  # a workload that timed out: its modes never timed
+    if r["event"] == "timeout":
+      for name in modes_for(r["workload"], args.modes):
+        row = rows.setdefault((r["workload"], name),
+                              dict(workload=r["workload"], mode=name))
+        if "ms_per_step" not in row:
+          row["error"] = r["error"]
+  rows = list(rows.values())
+  if "mlp" in args.workloads:
+    rows += _torch_mlp_rows(sizes["mlp"], steps, args.repeats)
+  import jax
+  result = dict(device=device_name(), platform=jax.default_backend(),
+                jax=jax.__version__, small=args.small, steps=steps,
+                repeats=args.repeats, compiler_options="XLA defaults",
+                sizes={k: sizes[k] for k in args.workloads},
+                seconds=time.perf_counter() - started, rows=rows,
+                summary=summary(rows))
+  out = args.out or os.path.join(HERE, "results",
+                                 f"gpu_check_{result['device']}.json")
+  with open(out, "w") as f:
+    json.dump(result, f, indent=1, sort_keys=True, default=str)
+  for r in rows:
+    print(f"{r['workload']:4} {r['mode']:22} "
+          + (f"{r['ms_per_step']:9.3f} ms  compile {r.get('compile_s') or 0:6.1f} s"
+             if r.get("ms_per_step") else f"FAILED {r.get('error', '')[:80]}")
+          + (f"  NOT FP8: {r['fp8_problem']}" if r.get("fp8_problem") else ""))
+  print(json.dumps(result["summary"], indent=1))
+  print(f"gpu_check: wrote {out} in {result['seconds']:.0f} s")
+  failed = [r for r in rows if r.get("error") or r.get("fp8_problem")]
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

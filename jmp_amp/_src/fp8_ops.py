@@ -1,0 +1,486 @@
+"""FP8 GEMMs: FP8 operands straight into `lax.dot_general`.
+
+Each GEMM of an FP8 matmul, forward and backward, takes the quantized FP8
+tensors themselves (``f8e4m3fn x f8e4m3fn`` forward, ``f8e5m2 x f8e4m3fn``
+for the input gradient, ``f8e4m3fn x f8e5m2`` for the weight gradient) with
+a float32 result that the operands' scales then multiply. That is the form
+every XLA:GPU path keeps FP8: with XLA's default options (Triton GEMMs on)
+the GEMM becomes a Triton fusion over the FP8 operands with the scaling in
+its epilogue, and where cuBLAS is picked (by the autotuner on a GPU, or
+with ``xla_gpu_enable_triton_gemm=false``) a ``__cublas$lt$matmul$f8``
+call. The quantize -> dequantize -> bf16 dot pattern that only XLA's cuBLAS
+FP8 rewriter recognises is lost under default options: the Triton GEMM
+fusion claims the dot first and the dequantized bf16 operands are what it
+multiplies.
+
+Per-tensor recipes (current, delayed) quantize each operand once in the
+forward pass and keep the FP8 tensors for the backward GEMMs. The rowwise
+recipe scales each GEMM operand per index of its uncontracted dimensions,
+so every GEMM quantizes its operands afresh.
+
+The amax histories come in as an input and their updated values leave as
+that input's "gradient" (see `jmp_amp._src.fp8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import string
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src.fp8 import FP8Recipe
+from jmp_amp._src.fp8 import FP8State
+
+
+def _kept(ndim: int, *dims) -> list[int]:
+  return [i for i in range(ndim) if not any(i in d for d in dims)]
+
+
+def _norm_dims(dims) -> tuple:
+  (lc, rc), (lb, rb) = dims
+  return ((tuple(map(int, lc)), tuple(map(int, rc))),
+          (tuple(map(int, lb)), tuple(map(int, rb))))
+
+
+def _transpose_lhs_dims(dims, lhs_ndim, rhs_ndim, swap_ans=False):
+  """(dimension numbers, axes) of the lhs cotangent of ``dot_general(lhs,
+  rhs, dims)``: ``transpose(dot_general(g, rhs, dimension numbers), axes)``
+  (the transpose rule of `lax.dot_general`)."""
+  (xc, yc), (xb, yb) = dims
+  xk, yk = _kept(lhs_ndim, xc, xb), _kept(rhs_ndim, yc, yb)
+  nb = len(xb)
+  if swap_ans:
+    ans_y = list(range(nb, nb + len(yk)))
+  else:
+    ans_y = list(range(nb + len(xk), nb + len(xk) + len(yk)))
+  new_dims = ((tuple(ans_y), tuple(yk)), (tuple(range(nb)), tuple(yb)))
+  xc_by_y = list(np.take(list(xc), np.argsort(list(yc))))
+  axes = tuple(int(i) for i in np.argsort(list(xb) + xk + xc_by_y))
+  return new_dims, axes
+
+
+def _grad_dims(dims, lhs_ndim, rhs_ndim):
+  """((dims, axes) of the lhs gradient, (dims, axes) of the rhs gradient):
+  ``transpose(dot_general(g, other, dims), axes)`` for each operand."""
+  (lc, rc), (lb, rb) = dims
+  return (_transpose_lhs_dims(dims, lhs_ndim, rhs_ndim),
+          _transpose_lhs_dims(((rc, lc), (rb, lb)), rhs_ndim, lhs_ndim,
+                              swap_ans=True))
+
+
+def _gemm(a, b, dims, precision, out_dtype=jnp.float32):
+  """The FP8 GEMM: FP8 operands, float32 accumulation, an `out_dtype`
+  result."""
+  return lax.dot_general(a, b, dims, precision=precision,
+                         preferred_element_type=out_dtype)
+
+
+def _rescale(y, scale, dtype):
+  """``y * scale`` in `dtype`, multiplied in float32."""
+  return (y.astype(jnp.float32) * scale).astype(dtype)
+
+
+# --------------------------------------------------------------------------
+# Per-tensor scaling (current, delayed).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _tensor_scaled(recipe, dims, precision, out_sharding, lhs, rhs, state):
+  return _tensor_fwd(recipe, dims, precision, out_sharding, lhs, rhs,
+                     state)[0]
+
+
+def _tensor_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state):
+  fwd = recipe.fwd_dtype
+  lhs_scale, new_lhs = fp8_lib.scale_of(lhs, state.lhs, fwd, recipe)
+  rhs_scale, new_rhs = fp8_lib.scale_of(rhs, state.rhs, fwd, recipe)
+  # Each operand is quantized with a zero term tied to the other operand's
+  # scale (`fp8_lib.tie`): matmuls sharing an input (q/k/v projections of
+  # one activation, gate/up of a GLU) then quantize it as their own, and
+  # XLA does not merge them into one GEMM the audit could not attribute.
+  q_lhs = fp8_lib.quantize(fp8_lib.tie(lhs, rhs_scale), fwd, lhs_scale)
+  q_rhs = fp8_lib.quantize(fp8_lib.tie(rhs, lhs_scale), fwd, rhs_scale)
+  # The GEMM returns the compute dtype (a bf16 GEMM output, as cuBLAS and
+  # Triton write it) and the scales multiply that, fused in its epilogue.
+  y = _rescale(_gemm(q_lhs, q_rhs, dims, precision, recipe.compute_dtype),
+               lhs_scale * rhs_scale, recipe.compute_dtype)
+  y = _constrain(y, out_sharding)
+  res = (q_lhs, lhs_scale, q_rhs, rhs_scale, new_lhs, new_rhs, state.grad,
+         jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+  return y, res
+
+
+def _tensor_bwd(recipe, dims, precision, out_sharding, res, g):
+  del out_sharding
+  (q_lhs, lhs_scale, q_rhs, rhs_scale, new_lhs, new_rhs, grad_history,
+   like_lhs, like_rhs) = res
+  g_scale, new_grad = fp8_lib.scale_of(g, grad_history, recipe.bwd_dtype,
+                                       recipe)
+  q_g = fp8_lib.quantize(g, recipe.bwd_dtype, g_scale)
+  (ldims, laxes), (rdims, raxes) = _grad_dims(dims, q_lhs.ndim, q_rhs.ndim)
+  dlhs = _rescale(_gemm(q_g, q_rhs, ldims, precision, like_lhs.dtype),
+                  g_scale * rhs_scale, like_lhs.dtype)
+  drhs = _rescale(_gemm(q_g, q_lhs, rdims, precision, like_rhs.dtype),
+                  g_scale * lhs_scale, like_rhs.dtype)
+  dlhs, drhs = jnp.transpose(dlhs, laxes), jnp.transpose(drhs, raxes)
+  return dlhs, drhs, fp8_lib.FP8State(new_lhs, new_rhs, new_grad)
+
+
+_tensor_scaled.defvjp(_tensor_fwd, _tensor_bwd)
+
+
+# --------------------------------------------------------------------------
+# Rowwise scaling: a scale per row of each GEMM operand.
+
+
+def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, margin, precision):
+  """``dot_general(a, b, dims)`` (float32) on rowwise-quantized operands,
+  and the whole-tensor amax of `a` and `b`.
+
+  Each operand gets one scale per index of the axes it does not contract
+  (the scales keep its rank, size 1 along the contracted axes). The GEMM
+  multiplies the FP8 tensors; the outer product of the scales, laid out as
+  the result (batch, `a`'s kept, `b`'s kept), rescales it. Each operand is
+  tied to one of the other's scales (see `_tensor_fwd`); the whole-tensor
+  amaxes, for the histories, are the largest row amaxes.
+  """
+  (ac, bc), (ab, bb) = dims
+  ak, bk = _kept(a.ndim, ac, ab), _kept(b.ndim, bc, bb)
+  row_a, row_b = fp8_lib.amax(a, tuple(ac)), fp8_lib.amax(b, tuple(bc))
+  sa = fp8_lib.compute_scale(row_a, dtype_a, margin)
+  sb = fp8_lib.compute_scale(row_b, dtype_b, margin)
+  qa = fp8_lib.quantize(fp8_lib.tie(a, sb.reshape(-1)[0]), dtype_a, sa)
+  qb = fp8_lib.quantize(fp8_lib.tie(b, sa.reshape(-1)[0]), dtype_b, sb)
+  y = _gemm(qa, qb, dims, precision)
+  batch = [a.shape[i] for i in ab]
+  sa = jnp.transpose(sa, list(ab) + ak + list(ac)).reshape(
+      batch + [a.shape[i] for i in ak] + [1] * len(bk))
+  sb = jnp.transpose(sb, list(bb) + bk + list(bc)).reshape(
+      batch + [1] * len(ak) + [b.shape[i] for i in bk])
+  return y * sa * sb, jnp.max(row_a), jnp.max(row_b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _row_scaled(recipe, dims, precision, out_sharding, lhs, rhs, state):
+  return _row_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state)[0]
+
+
+def _row_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state):
+  fwd = recipe.fwd_dtype
+  y, lhs_amax, rhs_amax = _row_scaled_dot(lhs, rhs, dims, fwd, fwd,
+                                          recipe.margin, precision)
+  new = (fp8_lib.update_history(state.lhs, lhs_amax),
+         fp8_lib.update_history(state.rhs, rhs_amax))
+  y = _constrain(y.astype(recipe.compute_dtype), out_sharding)
+  return y, (lhs, rhs, new, state.grad)
+
+
+def _row_bwd(recipe, dims, precision, out_sharding, res, g):
+  del out_sharding
+  lhs, rhs, (new_lhs, new_rhs), grad_history = res
+  fwd, bwd, margin = recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
+  (ldims, laxes), (rdims, raxes) = _grad_dims(dims, lhs.ndim, rhs.ndim)
+  dlhs, g_amax, _ = _row_scaled_dot(g, rhs, ldims, bwd, fwd, margin,
+                                     precision)
+  drhs = _row_scaled_dot(g, lhs, rdims, bwd, fwd, margin, precision)[0]
+  dlhs, drhs = jnp.transpose(dlhs, laxes), jnp.transpose(drhs, raxes)
+  new_grad = fp8_lib.update_history(grad_history, g_amax)
+  return (dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype),
+          fp8_lib.FP8State(new_lhs, new_rhs, new_grad))
+
+
+_row_scaled.defvjp(_row_fwd, _row_bwd)
+
+
+def _constrain(y, out_sharding):
+  if out_sharding is None:
+    return y
+  return lax.with_sharding_constraint(y, out_sharding)
+
+
+def _scaled_dot(what, lhs, rhs, dims, precision, preferred_element_type,
+                state, recipe, out_sharding):
+  lhs, rhs = fp8_lib.check_operands(what, lhs, rhs)
+  state = fp8_lib.check_state(what, state, recipe)
+  impl = _row_scaled if recipe.scaling == "rowwise" else _tensor_scaled
+  y = impl(recipe, _norm_dims(dims), precision, out_sharding, lhs, rhs,
+           state)
+  return y if preferred_element_type is None else y.astype(
+      preferred_element_type)
+
+
+# --------------------------------------------------------------------------
+# Two-operand einsum as one dot_general.
+
+
+def einsum_as_dot_general(subscripts: str, lhs_ndim: int, rhs_ndim: int):
+  """How ``jnp.einsum(subscripts, lhs, rhs)`` is one `lax.dot_general`.
+
+  Returns:
+    ``(lhs_sum, rhs_sum, dims, perm)``: sum `lhs` over the axes `lhs_sum`
+    and `rhs` over `rhs_sum` (indices that appear in one operand only and
+    not in the output), then ``transpose(dot_general(lhs, rhs, dims),
+    perm)`` is the einsum.
+
+  Raises:
+    ValueError: `subscripts` is not a two-operand einsum of these ranks, or
+      repeats an index within one operand (a diagonal).
+  """
+  spec = subscripts.replace(" ", "")
+  ins, arrow, out = spec.partition("->")
+  operands = ins.split(",")
+  if len(operands) != 2:
+    raise ValueError(f"a two-operand einsum string such as 'ab,bc->ac' is "
+                     f"needed, got {subscripts!r}")
+  fresh = [c for c in string.ascii_letters if c not in spec]
+  widest = max(ndim - (len(s) - 3) for s, ndim in
+               zip(operands, (lhs_ndim, rhs_ndim)) if "..." in s) if (
+                   "..." in ins) else 0
+  ellipsis = "".join(fresh[:widest])
+
+  def expand(s, ndim):
+    if "..." not in s:
+      return s
+    n = ndim - (len(s) - 3)
+    return s.replace("...", ellipsis[widest - n:] if n else "")
+
+  a, b = expand(operands[0], lhs_ndim), expand(operands[1], rhs_ndim)
+  if not arrow:
+    once = sorted(c for c in set(a + b) if (a + b).count(c) == 1
+                  and c not in ellipsis)
+    out = ellipsis + "".join(once)
+  else:
+    out = out.replace("...", ellipsis)
+  for name, s, ndim in (("first", a, lhs_ndim), ("second", b, rhs_ndim)):
+    if len(s) != ndim:
+      raise ValueError(f"einsum {subscripts!r}: the {name} operand has rank "
+                       f"{ndim}, the string names {len(s)} axes")
+    if len(set(s)) != len(s):
+      raise ValueError(f"einsum {subscripts!r}: an index repeated within "
+                       f"one operand (a diagonal) is not supported in FP8")
+  a_sum = tuple(i for i, c in enumerate(a) if c not in b and c not in out)
+  b_sum = tuple(i for i, c in enumerate(b) if c not in a and c not in out)
+  a = "".join(c for i, c in enumerate(a) if i not in a_sum)
+  b = "".join(c for i, c in enumerate(b) if i not in b_sum)
+  contract = [c for c in a if c in b and c not in out]
+  batch = [c for c in a if c in b and c in out]
+  dims = ((tuple(a.index(c) for c in contract),
+           tuple(b.index(c) for c in contract)),
+          (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+  result = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+  perm = tuple(result.index(c) for c in out)
+  return a_sum, b_sum, dims, perm
+
+
+# --------------------------------------------------------------------------
+# The public ops.
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                precision=None, preferred_element_type=None, *,
+                state: Optional[FP8State] = None,
+                recipe: FP8Recipe = FP8Recipe(),
+                out_sharding=None) -> jax.Array:
+  """`lax.dot_general` with FP8 operands forward and FP8 gradients backward.
+
+  Both operands are quantized to ``recipe.fwd_dtype`` (E4M3) with their
+  scales (per tensor, or per row for ``scaling="rowwise"``), the GEMM
+  multiplies the FP8 tensors with float32 accumulation, and the output's
+  cotangent is quantized to ``recipe.bwd_dtype`` (E5M2) for the backward
+  GEMMs. The result is ``preferred_element_type`` if given, else the
+  recipe's compute dtype (bfloat16).
+
+  Example:
+    >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+    >>> y = jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())))
+    >>> y.dtype, y.tolist()[0]
+    (dtype(bfloat16), [1.5, 1.5, 1.5, 1.5])
+
+  Args:
+    lhs, rhs, dimension_numbers, precision, preferred_element_type,
+      out_sharding: as for `lax.dot_general`.
+    state: the amax histories (`FP8State`); its updated value arrives as its
+      gradient. Required for delayed scaling; optional otherwise.
+    recipe: the `FP8Recipe`.
+
+  Returns:
+    The matmul result.
+
+  Raises:
+    ValueError: delayed scaling without a state, or a state whose histories
+      do not have ``recipe.history_len`` entries.
+    TypeError: non-floating operands.
+  """
+  return _scaled_dot("jmp_amp.fp8.dot_general", lhs, rhs, dimension_numbers,
+                     precision, preferred_element_type, state, recipe,
+                     out_sharding)
+
+
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
+           precision=None, preferred_element_type=None,
+           state: Optional[FP8State] = None,
+           recipe: FP8Recipe = FP8Recipe(),
+           out_sharding=None) -> jax.Array:
+  """Two-operand `jnp.einsum` with FP8 operands and FP8 gradients.
+
+  Takes the arguments `nnx.Einsum` passes its ``einsum_op`` knob. The
+  einsum is one FP8 `dot_general` (indices in both operands and the output
+  are batch dimensions, in both operands only contracted) followed by a
+  transpose, under any recipe, rowwise included.
+
+  Example:
+    >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+    >>> y = jmp_amp.fp8.einsum("ab,bc->ac", x, w)
+    >>> y.dtype, y.tolist()[1]
+    (dtype(bfloat16), [1.5, 1.5, 1.5, 1.5])
+
+  Args:
+    subscripts: the einsum string (two operands; ``...`` allowed).
+    lhs, rhs: the operands.
+    precision, preferred_element_type, out_sharding: as for `jnp.einsum`.
+    state, recipe: as for `dot_general`.
+
+  Returns:
+    The einsum's result (``preferred_element_type`` if given, else the
+    recipe's compute dtype).
+
+  Raises:
+    ValueError: `subscripts` does not name exactly two operands of these
+      ranks, or takes a diagonal.
+  """
+  if not isinstance(subscripts, str):
+    raise ValueError(f"jmp_amp.fp8.einsum takes a two-operand einsum string "
+                     f"such as 'ab,bc->ac', got {subscripts!r}")
+  lhs, rhs = fp8_lib.check_operands("jmp_amp.fp8.einsum", lhs, rhs)
+  lhs_sum, rhs_sum, dims, perm = einsum_as_dot_general(
+      subscripts, lhs.ndim, rhs.ndim)
+  if lhs_sum:
+    lhs = jnp.sum(lhs, axis=lhs_sum)
+  if rhs_sum:
+    rhs = jnp.sum(rhs, axis=rhs_sum)
+  y = _scaled_dot("jmp_amp.fp8.einsum", lhs, rhs, dims, precision,
+                  preferred_element_type, state, recipe, None)
+  y = jnp.transpose(y, perm)
+  return _constrain(y, out_sharding)
+
+
+def conv_general_dilated(
+    lhs: jax.Array, rhs: jax.Array, window_strides, padding,
+    lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
+    feature_group_count: int = 1, batch_group_count: int = 1,
+    precision=None, preferred_element_type=None, *,
+    state: Optional[FP8State] = None, recipe: FP8Recipe = FP8Recipe(),
+    out_sharding=None) -> jax.Array:
+  """`lax.conv_general_dilated` with FP8 operands and FP8 gradients.
+
+  The FP8 recipe of `dot_general` applied to a convolution: input and
+  kernel rounded through E4M3, the output cotangent through E5M2, written
+  as quantize -> dequantize -> convolution. Compiled for an H100 (XLA:GPU),
+  the forward convolution becomes one cuDNN graph convolution
+  (``__cudnn$convForwardGraph``) with ``f8e4m3fn`` operands and the scales
+  folded in; see ``benchmarks/fp8_h100.py`` for the backward convolutions.
+  Per-tensor recipes only (current, delayed).
+
+  Example:
+    >>> x, w = jnp.ones((1, 2, 4, 4)), jnp.full((3, 2, 3, 3), 0.5)
+    >>> y = jmp_amp.fp8.conv_general_dilated(x, w, (1, 1), "VALID")
+    >>> y.dtype, y.shape, float(y[0, 0, 0, 0])
+    (dtype(bfloat16), (1, 3, 2, 2), 9.0)
+
+  Args:
+    lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+      dimension_numbers, feature_group_count, batch_group_count, precision,
+      preferred_element_type, out_sharding: as for
+      `lax.conv_general_dilated`.
+    state, recipe: as for `dot_general`.
+
+  Returns:
+    The convolution's result (``preferred_element_type`` if given, else the
+    recipe's compute dtype).
+
+  Raises:
+    ValueError: a rowwise recipe (convolutions scale per tensor).
+  """
+  what = "jmp_amp.fp8.conv_general_dilated"
+  lhs, rhs = fp8_lib.check_operands(what, lhs, rhs)
+  state = fp8_lib.check_state(what, state, recipe)
+  if recipe.scaling == "rowwise":
+    raise ValueError(f"{what}: rowwise scaling is for dot_general and "
+                     f"einsum (nnx.Linear, nnx.LinearGeneral, nnx.Einsum); "
+                     f"use FP8Recipe(scaling='current') or 'delayed' for a "
+                     f"convolution")
+  # Each operand is tied to the other's scale, as in `_tensor_fwd`.
+  lhs_scale = lax.stop_gradient(
+      fp8_lib.scale_of(lhs, state.lhs, recipe.fwd_dtype, recipe)[0])
+  rhs_scale = lax.stop_gradient(
+      fp8_lib.scale_of(rhs, state.rhs, recipe.fwd_dtype, recipe)[0])
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  y = lax.conv_general_dilated(
+      fp8_lib.qdq_operand(recipe, lhs, state.lhs, rhs_scale),
+      fp8_lib.qdq_operand(recipe, rhs, state.rhs, lhs_scale),
+      window_strides, padding, lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+      feature_group_count=feature_group_count,
+      batch_group_count=batch_group_count, precision=precision, **kwargs)
+  y = fp8_lib.qdq_output_grad(recipe, y, state.grad)
+  return y if preferred_element_type is None else y.astype(
+      preferred_element_type)
+def autocast_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                         precision=None, preferred_element_type=None,
+                         recipe: FP8Recipe = FP8Recipe(),
+                         **kwargs) -> jax.Array:
+  """Stateless FP8 `dot_general` (current or rowwise) for op-level autocast.
+
+  Takes the parameters of a ``dot_general`` equation as an autocast pass sees
+  them (``fp8_ops.autocast_dot_general(lhs, rhs, **eqn.params)``) and returns the
+  recipe's compute dtype (bfloat16), as autocast returns half matmuls: the
+  traced ``preferred_element_type`` (float32 for float32 operands) is
+  ignored. ``out_sharding`` is forwarded; other parameters are ignored.
+
+  Example:
+    >>> from jmp_amp._src import fp8_ops
+    >>> x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+    >>> eqn = jax.make_jaxpr(lambda a, b: a @ b)(x, w).eqns[0]
+    >>> fp8_ops.autocast_dot_general(x, w, **eqn.params).dtype
+    dtype(bfloat16)
+  """
+  del preferred_element_type
+  return dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                     recipe=recipe, out_sharding=kwargs.get("out_sharding"))
+
+
+def autocast_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, *,
+                                  recipe: FP8Recipe = FP8Recipe(),
+                                  preferred_element_type=None,
+                                  **params) -> jax.Array:
+  """Stateless FP8 convolution from a ``conv_general_dilated`` equation.
+
+  ``fp8_ops.autocast_conv_general_dilated(lhs, rhs, **eqn.params)``, the
+  convolution counterpart of `autocast_dot_general`: the result is the
+  recipe's compute dtype. Under a rowwise recipe the convolution scales per
+  tensor (current scaling).
+
+  Example:
+    >>> from jmp_amp._src import fp8_ops
+    >>> x, w = jnp.ones((1, 2, 4, 4)), jnp.ones((3, 2, 3, 3))
+    >>> eqn = jax.make_jaxpr(lambda a, b: jax.lax.conv_general_dilated(
+    ...     a, b, (1, 1), "SAME"))(x, w).eqns[0]
+    >>> fp8_ops.autocast_conv_general_dilated(x, w, **eqn.params).dtype
+    dtype(bfloat16)
+  """
+  del preferred_element_type
+  if recipe.scaling == "rowwise":  # Convolutions scale per tensor.
+    recipe = dataclasses.replace(recipe, scaling="current")
+  names = ("window_strides", "padding", "lhs_dilation", "rhs_dilation",
+           "dimension_numbers", "feature_group_count", "batch_group_count",
+           "precision", "out_sharding")
+  return conv_general_dilated(
+      lhs, rhs, recipe=recipe,
+      **{k: params[k] for k in names if k in params})

@@ -1,0 +1,70 @@
+"""benchmarks/gpu_check.py, the device check, in its small CPU mode."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _gpu_check():
+  spec = importlib.util.spec_from_file_location(
+      "gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _run(tmp_path, *argv):
+  out = tmp_path / "check.json"
+  code = _gpu_check().main(["--small", "--repeats", "2", "--out", str(out),
+                            *argv])
+  return code, json.loads(out.read_text())
+
+
+def test_small_mlp_modes_are_compiled_timed_and_audited(tmp_path):
+  code, result = _run(tmp_path, "--workloads", "mlp", "--modes", "float32",
+                      "bf16", "fp8-all")
+  assert code == 0, result
+  assert result["small"] and result["compiler_options"] == "XLA defaults"
+  rows = {r["mode"]: r for r in result["rows"] if r["workload"] == "mlp"}
+  assert sorted(rows) == ["bf16", "float32", "fp8-all"]
+  for name, row in rows.items():
+    assert row["ms_per_step"] > 0 and row["compile_s"] > 0, row
+    assert len(row["repeat_ms"]) == 2 and row["memory_bytes"] > 0, row
+    assert row["gemm_stage"] == "compiled" and row["gemms"], row
+    assert row["fp8_problem"] is None  # not judged on a CPU
+  ratio = rows["bf16"]["ms_per_step"] / rows["fp8-all"]["ms_per_step"]
+  assert result["summary"]["mlp fp8-all speed vs bf16"] == pytest.approx(
+      ratio)
+  # The losses of the three modes are close: one MLP, the same batches.
+  losses = [r["final_loss"] for r in rows.values()]
+  assert max(losses) - min(losses) < 0.05 * max(losses), losses
+
+
+def test_summary_ratios_and_fp8_failures():
+  rows = [dict(workload="gpt", mode="bf16", ms_per_step=30.0, compile_s=10.0),
+          dict(workload="gpt", mode="fp8", ms_per_step=25.0, compile_s=12.0,
+               fp8_problem="attn: 1 of 3 ops not FP8"),
+          dict(workload="gpt", mode="fp8-rowwise", ms_per_step=30.0,
+               compile_s=20.0),
+          dict(workload="mlp", mode="bf16", error="RuntimeError: x")]
+  got = _gpu_check().summary(rows)
+  assert got["gpt fp8 speed vs bf16"] == pytest.approx(1.2)
+  assert got["gpt fp8-rowwise speed vs bf16"] == pytest.approx(1.0)
+  assert got["gpt fp8-rowwise compile s vs bf16"] == pytest.approx(2.0)
+  assert got["mlp fp8-all speed vs bf16"] is None  # never ran
+  assert got["fp8 modes whose device GEMMs are not all FP8"] == ["gpt/fp8"]
+
+
+@pytest.mark.slow
+def test_small_check_runs_every_mode_of_both_workloads(tmp_path):
+  code, result = _run(tmp_path)
+  assert code == 0, result
+  check = _gpu_check()
+  for workload in ("mlp", "gpt"):
+    timed = {r["mode"] for r in result["rows"]
+             if r["workload"] == workload and r.get("ms_per_step")}
+    assert timed == set(check.modes_for(workload)), (workload, timed)
