@@ -6,24 +6,98 @@ residual), final LayerNorm, then logits from the token embedding
 (``embed.attend``, tied) or from a separate `nnx.Linear` head (untied).
 
 Every layer takes the standard Flax ``dtype``/``param_dtype`` knobs. The
-attention is a plain module around two `nnx.Linear`s: its score and
-weighted-sum contractions run on the projections' outputs in whatever dtype
-those are, through the ``einsum_op`` knob (``jnp.einsum`` by default, the knob
-`nnx.Einsum` has), and the softmax (`jax.nn.softmax`) runs in the scores'
-dtype: which precision those get is for a policy or autocast applied from
-outside to decide.
+attention is a plain module around two `nnx.Linear`s; its ``attention`` knob
+picks how the scores and the weighted sum are computed on the projections'
+outputs, in whatever dtype those are (which precision they get is for a policy
+or autocast applied from outside to decide):
+
+* ``"fused"`` (the default): `jax.nn.dot_product_attention`, causal, through
+  `fused_causal_attention`: cuDNN's fused (flash) kernel when the program is
+  compiled for a CUDA GPU and cuDNN takes the inputs (bfloat16 or float16,
+  a head dim it supports), XLA's implementation otherwise. The T x T scores
+  never reach memory in the cuDNN kernel, and its softmax runs in float32.
+* ``"einsum"``: the contractions written out, through the ``einsum_op`` knob
+  (``jnp.einsum`` by default, the knob `nnx.Einsum` has), with the softmax
+  (`jax.nn.softmax`) in the scores' dtype.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 from flax import nnx
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 Dtype = Any
+ATTENTION_KINDS = ("fused", "einsum")
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# One jitted `jax.nn.dot_product_attention`: a traced program shows the call
+# as one `jit` equation named "dot_product_attention" (which a jaxpr
+# interpreter, such as an autocast, can recognise as attention).
+_dot_product_attention = jax.jit(
+    jax.nn.dot_product_attention,
+    static_argnames=("is_causal", "implementation"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_takes(shape: tuple[int, ...], dtype: Any) -> bool:
+  """Whether cuDNN's fused attention accepts causal q = k = v of this type.
+
+  Asked by tracing the cuDNN implementation abstractly: it raises when
+  cuDNN is not installed or the dtype (float32), head dim or sequence
+  lengths are ones it does not take.
+  """
+  if jnp.dtype(dtype) not in _HALF:
+    return False
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  try:
+    jax.eval_shape(functools.partial(_dot_product_attention, is_causal=True,
+                                     implementation="cudnn"), x, x, x)
+  except (RuntimeError, NotImplementedError, ValueError, TypeError):
+    return False
+  return True
+
+
+def fused_causal_attention(q: jax.Array, k: jax.Array,
+                           v: jax.Array) -> jax.Array:
+  """Causal `jax.nn.dot_product_attention` of ``[batch, length, heads, dim]``.
+
+  Where cuDNN takes the inputs (bfloat16/float16 and a head dim it supports,
+  cuDNN installed), the program carries both implementations and the
+  platform it is compiled for picks (`jax.lax.platform_dependent`): cuDNN's
+  fused flash-attention kernel for a CUDA GPU, XLA's implementation
+  elsewhere (the CPU). Otherwise, float32 inputs say, XLA's implementation.
+  Both scale the scores by ``1 / sqrt(dim)`` and run the softmax in float32.
+
+  Args:
+    q: queries ``[batch, length, heads, dim]``.
+    k: keys, same shape and dtype.
+    v: values, same shape and dtype.
+
+  Returns:
+    ``[batch, length, heads, dim]`` in the inputs' dtype.
+  """
+  xla = functools.partial(_dot_product_attention, is_causal=True,
+                          implementation="xla")
+  if q.dtype == jnp.float16:
+    # XLA's implementation contracts float16 into float32
+    # (preferred_element_type), which XLA:CPU does not implement: on the CPU
+    # it runs on float32 copies instead.
+    half_xla = xla
+    xla = lambda q, k, v: lax.platform_dependent(
+        q, k, v, default=half_xla, cpu=lambda *qkv: half_xla(
+            *(a.astype(jnp.float32) for a in qkv)).astype(jnp.float16))
+  if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
+          and _cudnn_takes(tuple(q.shape), q.dtype)):
+    return xla(q, k, v)
+  cudnn = functools.partial(_dot_product_attention, is_causal=True,
+                            implementation="cudnn")
+  return lax.platform_dependent(q, k, v, cuda=cudnn, default=xla)
 
 # GPT-2's embedding initialisation.
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -38,20 +112,30 @@ class CausalSelfAttention(nnx.Module):
     num_heads: number of heads.
     dtype: dtype q, k and v are cast to before the attention contractions
       (None: leave them as the projections return them).
-    einsum_op: the einsum used for scores and the weighted sum of values.
+    attention: "fused" (`fused_causal_attention`: cuDNN's flash kernel on a
+      GPU where it takes the inputs, XLA's implementation elsewhere) or
+      "einsum" (the contractions through ``einsum_op``, then a softmax in the
+      scores' dtype).
+    einsum_op: the einsum used for scores and the weighted sum of values
+      when ``attention="einsum"``.
   """
 
   def __init__(self, d_model: int, num_heads: int, *,
                dtype: Optional[Dtype] = None,
                param_dtype: Dtype = jnp.float32,
+               attention: str = "fused",
                einsum_op: Callable[..., jax.Array] = jnp.einsum,
                rngs: nnx.Rngs):
     if d_model % num_heads:
       raise ValueError(f"d_model={d_model} is not divisible by "
                        f"num_heads={num_heads}")
+    if attention not in ATTENTION_KINDS:
+      raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got "
+                       f"{attention!r}")
     knobs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.num_heads = num_heads
     self.dtype = dtype
+    self.attention = attention
     self.einsum_op = einsum_op
     self.qkv = nnx.Linear(d_model, 3 * d_model, **knobs)
     self.proj = nnx.Linear(d_model, d_model, **knobs)
@@ -64,6 +148,9 @@ class CausalSelfAttention(nnx.Module):
       q, k, v = (a.astype(self.dtype) for a in (q, k, v))
     shape = (batch, length, self.num_heads, head_dim)
     q, k, v = (a.reshape(shape) for a in (q, k, v))
+    if self.attention == "fused":
+      out = fused_causal_attention(q, k, v)
+      return self.proj(out.reshape(batch, length, d_model))
     # Scaling q rather than the scores keeps float16 scores further from
     # overflow.
     q = q * jnp.asarray(1.0 / np.sqrt(head_dim), q.dtype)
@@ -108,10 +195,12 @@ class Block(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, mlp_hidden: int, *,
                dtype: Optional[Dtype] = None,
-               param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs):
+               param_dtype: Dtype = jnp.float32, attention: str = "fused",
+               rngs: nnx.Rngs):
     knobs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.ln1 = nnx.LayerNorm(d_model, **knobs)
-    self.attn = CausalSelfAttention(d_model, num_heads, **knobs)
+    self.attn = CausalSelfAttention(d_model, num_heads, attention=attention,
+                                    **knobs)
     self.ln2 = nnx.LayerNorm(d_model, **knobs)
     self.mlp = MLPBlock(d_model, mlp_hidden, **knobs)
 
@@ -139,7 +228,8 @@ class GPT(nnx.Module):
                num_heads: int = 4, num_layers: int = 2, max_len: int = 64, *,
                mlp_ratio: int = 4, tie_embeddings: bool = True,
                dtype: Optional[Dtype] = None,
-               param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs):
+               param_dtype: Dtype = jnp.float32, attention: str = "fused",
+               rngs: nnx.Rngs):
     """Builds the layers.
 
     Args:
@@ -153,6 +243,9 @@ class GPT(nnx.Module):
         separate head.
       dtype: compute dtype of every layer (None: follow the inputs).
       param_dtype: dtype the parameters are created in.
+      attention: how each block's attention is computed: "fused" (cuDNN's
+        flash kernel on a GPU where it takes the inputs, XLA's
+        implementation elsewhere) or "einsum" (see `CausalSelfAttention`).
       rngs: parameter initialisation keys.
     """
     knobs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -163,7 +256,8 @@ class GPT(nnx.Module):
     self.pos_embed = nnx.Embed(max_len, d_model, embedding_init=_EMBED_INIT,
                                **knobs)
     self.blocks = nnx.List([
-        Block(d_model, num_heads, mlp_ratio * d_model, **knobs)
+        Block(d_model, num_heads, mlp_ratio * d_model, attention=attention,
+              **knobs)
         for _ in range(num_layers)])
     self.ln_f = nnx.LayerNorm(d_model, **knobs)
     # nnx.data: a None attribute would otherwise be static, and a module

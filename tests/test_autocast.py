@@ -529,7 +529,10 @@ def test_fn_is_traced_once_per_call(policy, grad):
 
 def test_default_rules():
   rules = jmp_amp.DEFAULT_AUTOCAST_RULES
-  assert rules.half == {"dot_general", "conv_general_dilated"}
+  # dot_product_attention: a jitted jax.nn.dot_product_attention call
+  # (tests/test_attention.py).
+  assert rules.half == {"dot_general", "conv_general_dilated",
+                        "dot_product_attention"}
   for name in ("exp", "log", "reduce_sum", "reduce_max", "rsqrt", "cumsum",
                "erf_inv", "pow", "integer_pow"):
     assert rules.rule_for(name) == "float32", name

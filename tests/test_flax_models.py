@@ -85,9 +85,15 @@ def linen_resnet() -> models.LinenResNet:
   return models.LinenResNet((1, 1), 8, CLASSES)
 
 
-def gpt(seed: int = 0, num_layers: int = 1) -> models.GPT:
+def gpt(seed: int = 0, num_layers: int = 1,
+        attention: str = "einsum") -> models.GPT:
+  # The attention written out by default: every matmul of it is a dot the
+  # policies' knobs decide. (The fused one is XLA's implementation of
+  # jax.nn.dot_product_attention on the CPU, which contracts the float32
+  # gradient of its scores; tests/test_attention.py covers it.)
   return build(lambda: models.GPT(VOCAB, WIDTH, 2, num_layers, SEQ,
-                                  rngs=nnx.Rngs(0)), seed)
+                                  attention=attention, rngs=nnx.Rngs(0)),
+               seed)
 
 
 def mlp_batch(n: int = 8, seed: int = 0):

@@ -10,7 +10,8 @@ These are compiler figures, not timings: nothing runs.
 It compiles with XLA's default options, as a GPU does unless told otherwise
 (``gemm="cublas"`` turns Triton GEMMs off, a configuration to ask for and
 label). It needs the optional extra ``pip install "jmp-amp[gpu-audit]"``
-(the CUDA plugin and ``nvidia-cuda-nvcc-cu12``, about 580 MB installed). On a machine without a
+(the CUDA plugin, ``nvidia-cuda-nvcc-cu12`` and, for cuDNN's fused attention,
+``nvidia-cudnn-cu12``; about 1.3 GB installed). On a machine without a
 GPU, start Python with ``JAX_PLATFORMS=cpu`` (``jmp-amp bench --target h100``
 does it for you): the plugin then registers its compile-only target without
 looking for a GPU.
@@ -139,7 +140,8 @@ class GpuReport:
   Attributes:
     target: the target name ("h100").
     gemm: the compiler options it was compiled with (`GEMM_BACKENDS`).
-    matmuls: the GEMMs and convolutions of the optimized program
+    matmuls: the GEMMs, convolutions and fused attention calls (cuDNN's
+      flash attention, kind "attention") of the optimized program
       (`MatmulReport` at the compiled stage; ``target`` names library calls).
     kernels: kernel launches in the program text: fusions, library calls and
       unfused ops; a loop body counts once.
@@ -171,7 +173,8 @@ class GpuReport:
     return label(self.target, self.gemm)
 
   def gemms_by_dtype(self) -> dict[str, int]:
-    """Number of GEMMs and convolutions per ``"lhs x rhs -> result"``."""
+    """Number of GEMMs and convolutions per ``"lhs x rhs -> result"``, and
+    of fused attention calls per ``"attention q x k -> result"``."""
     return self.matmuls.counts_by_signature()
 
   def fp8_layers(self) -> dict[str, dict[str, int]]:
@@ -194,7 +197,9 @@ class GpuReport:
     return {
         "label": self.label, "target": self.target, "gemm": self.gemm,
         "jax_version": self.jax_version,
-        "gemms": len(self.matmuls), "gemms_by_dtype": self.gemms_by_dtype(),
+        "gemms": len(self.matmuls) - len(self.matmuls.attention),
+        "attention_calls": len(self.matmuls.attention),
+        "gemms_by_dtype": self.gemms_by_dtype(),
         "gemm_flops_by_input_dtype": self.matmuls.flops_by_input_dtype(),
         "kernels": self.kernels, "kernels_by_kind": dict(self.kernels_by_kind),
         **self.memory, "bytes_estimate": self.bytes_estimate,
@@ -205,7 +210,9 @@ class GpuReport:
     kinds = ", ".join(f"{k}: {v}" for k, v in self.kernels_by_kind.items())
     return "\n".join((
         f"GpuReport [{self.label}; jax {self.jax_version}]",
-        f"  GEMMs/convs: {len(self.matmuls)} ({gemms or 'none'})",
+        f"  GEMMs/convs: {len(self.matmuls) - len(self.matmuls.attention)}"
+        f"{f', fused attention calls: {len(self.matmuls.attention)}' if self.matmuls.attention else ''}"
+        f" ({gemms or 'none'})",
         f"  kernels: {self.kernels} ({kinds})",
         f"  GPU memory: temp {_size(self.memory.get('temp_bytes'))}, "
         f"arguments {_size(self.memory.get('argument_bytes'))}, "

@@ -13,8 +13,11 @@ Counting rules:
     conditional is listed.
   * On GPU, compiled dots and convolutions are mostly library calls
     (``__cublas$gemm``, ``__cublas$lt$matmul``, ``__cudnn$conv...``), reported
-    with their target in `MatmulRecord.target`. Fused attention kernels
-    (``__cudnn$fmha...``) are not counted.
+    with their target in `MatmulRecord.target`.
+  * A fused attention kernel (cuDNN's ``__cudnn$fmha...`` call, forward or
+    backward, which JAX emits at the lowered stage already) is one record of
+    kind "attention": its contractions run inside it, so they are no GEMMs
+    of the program, and none are missing.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 from jmp_amp.tools import element_types
+from jmp_amp.tools import fused_attention
+from jmp_amp.tools import mlir_locations
 from jmp_amp.tools import hlo_text
 
 Shape = tuple[Optional[int], ...]
@@ -52,7 +57,8 @@ class MatmulRecord:
     ('bf16 x bf16 -> bf16', 192)
 
   Attributes:
-    kind: "dot_general" or "convolution".
+    kind: "dot_general", "convolution" or "attention" (a fused attention
+      call: lhs the query, rhs the key, see `jmp_amp.tools.fused_attention`).
     lhs_dtype: short dtype name of the left operand ("bf16", "f32", "int8").
     rhs_dtype: short dtype name of the right operand (the kernel of a conv).
     result_dtype: dtype the op returns, i.e. its accumulation/output type.
@@ -88,8 +94,11 @@ class MatmulRecord:
 
   @property
   def signature(self) -> str:
-    """``"lhs x rhs -> result"``, e.g. ``"bf16 x bf16 -> f32"``."""
-    return f"{self.lhs_dtype} x {self.rhs_dtype} -> {self.result_dtype}"
+    """``"lhs x rhs -> result"``, e.g. ``"bf16 x bf16 -> f32"``; a fused
+    attention call's starts with "attention " (``"attention bf16 x bf16 ->
+    bf16"``)."""
+    head = "attention " if self.kind == "attention" else ""
+    return f"{head}{self.lhs_dtype} x {self.rhs_dtype} -> {self.result_dtype}"
 
   @property
   def fp8_layer(self) -> Optional[str]:
@@ -159,6 +168,12 @@ class MatmulReport(Sequence[MatmulRecord]):
   @property
   def convolutions(self) -> tuple[MatmulRecord, ...]:
     return tuple(r for r in self.records if r.kind == "convolution")
+
+  @property
+  def attention(self) -> tuple[MatmulRecord, ...]:
+    """The fused attention calls (cuDNN's flash attention, forward and
+    backward)."""
+    return tuple(r for r in self.records if r.kind == "attention")
 
   @property
   def total_flops(self) -> int:
@@ -349,7 +364,7 @@ def report_from_stablehlo(module: Union[ir.Module, str]) -> MatmulReport:
         if callee in funcs and callee not in stack:
           visit(funcs[callee].regions[0].blocks[0], callee, stack + (callee,))
       elif op.name in ("stablehlo.dot_general", "stablehlo.dot",
-                       "stablehlo.convolution"):
+                       "stablehlo.convolution") or fused_attention.mlir_target(op):
         records.append(_mlir_record(op, func))
       for region in op.regions:
         for inner in region.blocks:
@@ -384,7 +399,11 @@ def _mlir_dtype(t: ir.Type) -> str:
 def _mlir_record(op, func: str) -> MatmulRecord:
   (lhs, lhs_dt), (rhs, rhs_dt) = (_mlir_array(v) for v in op.operands[:2])
   out, out_dt = _mlir_array(op.results[0])
-  if op.name == "stablehlo.convolution":
+  target = fused_attention.mlir_target(op)
+  if target:
+    kind = "attention"
+    flops = fused_attention.flops(target, fused_attention.mlir_config(op), lhs)
+  elif op.name == "stablehlo.convolution":
     kind = "convolution"
     dn = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
     flops = element_types.conv_flops(out, rhs, dn.kernel_output_feature_dimension)
@@ -396,47 +415,10 @@ def _mlir_record(op, func: str) -> MatmulRecord:
       dn = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
       contracting = list(dn.lhs_contracting_dimensions)
     flops = element_types.dot_flops(lhs, out, contracting)
-  name, frames = _mlir_location(op.location)
+  name, frames = mlir_locations.location(op.location)
   return MatmulRecord(kind, lhs_dt, rhs_dt, out_dt, lhs, rhs, out, flops,
-                      function=func, name=name, location=_pick_frame(frames))
-
-
-if hasattr(ir, "NameLoc"):
-  _LOCATION_KINDS = (("name", ir.NameLoc), ("callsite", ir.CallSiteLoc),
-                     ("fused", ir.FusedLoc), ("file", ir.FileLineColLoc))
-
-  def _location_kind(loc):
-    for kind, cls in _LOCATION_KINDS:
-      if loc.typeid == cls.static_typeid:
-        return kind, cls(loc)
-    return None, loc
-else:  # MLIR bindings of jaxlib < 0.9: Location.is_a_*(), same accessors.
-
-  def _location_kind(loc):
-    for kind, test in (("name", loc.is_a_name), ("callsite", loc.is_a_callsite),
-                       ("fused", loc.is_a_fused), ("file", loc.is_a_file)):
-      if test():
-        return kind, loc
-    return None, loc
-
-
-def _mlir_location(loc, depth: int = 0) -> tuple[Optional[str], list]:
-  """(op name, [(file, line)] innermost first) of an MLIR location."""
-  kind, loc = _location_kind(loc) if depth <= 100 else (None, loc)
-  if kind == "name":
-    return loc.name_str, _mlir_location(loc.child_loc, depth + 1)[1]
-  if kind == "callsite":
-    return None, (_mlir_location(loc.callee, depth + 1)[1] +
-                  _mlir_location(loc.caller, depth + 1)[1])
-  if kind == "fused":
-    name, frames = None, []
-    for part in loc.locations:
-      n, f = _mlir_location(part, depth + 1)
-      name, frames = name or n, frames + f
-    return name, frames
-  if kind == "file":
-    return None, [(loc.filename, loc.start_line)]
-  return None, []
+                      function=func, name=name, location=_pick_frame(frames),
+                      target=target)
 
 
 # --------------------------------------------------------------------------
@@ -469,13 +451,17 @@ def _hlo_record(module: hlo_text.HloModule, comp: str,
       kind = "dot_general"
     elif target.startswith(_CONV_TARGETS):
       kind = "convolution"
+    elif fused_attention.is_target(target):
+      kind = "attention"
   if kind is None or len(instr.operands) < 2:
     return None
   (lhs, lhs_dt), (rhs, rhs_dt) = (module.operand(comp, instr, i) for i in (0, 1))
   out, out_dt = hlo_text.array(instr.type)
   if lhs is None or rhs is None or out is None:
     return None
-  if kind == "dot_general":
+  if kind == "attention":
+    flops = fused_attention.flops(target, instr.backend_config(), lhs)
+  elif kind == "dot_general":
     dims = instr.attr("lhs_contracting_dims")
     if dims is not None:
       contracting = [int(d) for d in dims.strip("{}").split(",") if d]

@@ -23,6 +23,7 @@ import numpy as np
 from jmp_amp._src import dtypes
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src import fp8_ops
+from jmp_amp._src.autocast import attention
 from jmp_amp._src.autocast import structural
 from jmp_amp._src.autocast.casting import bind
 from jmp_amp._src.autocast.casting import bind_as_traced
@@ -112,6 +113,13 @@ def _made_half(ctx: _Context, x, v) -> bool:
 def _eval_eqn(ctx: _Context, eqn, invals) -> list:
   """Runs one equation in the dtype its rule gives it."""
   name = eqn.primitive.name
+  if eqn.params.get("name") == attention.NAME:
+    rule = ctx.rules.rule_for(attention.NAME)
+    kwargs = attention.match(eqn) if rule in ("half", "float32") else None
+    if kwargs is not None and rule == "half":
+      return [attention.fused(*invals, dtype=ctx.compute_dtype, **kwargs)]
+    if kwargs is not None:
+      return bind_as_traced(eqn, invals)
   if name in structural.HANDLERS:
     evaluate = functools.partial(_eval_jaxpr, ctx)
     return structural.HANDLERS[name](evaluate, eqn, invals)

@@ -28,7 +28,10 @@ PrimitiveLike = Union[str, jex_core.Primitive]
 # lists only `rsqrt` and `reciprocal`); `argmax`/`argmin` are float32 ops
 # (harmless: same result).
 
-_DEFAULT_HALF = ("dot_general", "conv_general_dilated")
+# "dot_product_attention" is no primitive but a jitted call of
+# `jax.nn.dot_product_attention` (see attention.py): fused, on half inputs, as
+# torch's autocast runs scaled_dot_product_attention.
+_DEFAULT_HALF = ("dot_general", "conv_general_dilated", "dot_product_attention")
 
 _DEFAULT_FLOAT32 = (
     # Exponentials, logarithms and powers: overflow or lose accuracy in half.
@@ -150,6 +153,17 @@ class AutocastRules:
   cannot overflow float16; subtractions promote, so softmax's `x - max(x)`
   and a norm's `x - mean(x)` stay float32. float64 values are never narrowed:
   an op with a float64 input promotes whatever its list.
+
+  One name is not a primitive: ``"dot_product_attention"``, a jitted call of
+  `jax.nn.dot_product_attention` (``jax.jit(jax.nn.dot_product_attention,
+  static_argnames=("is_causal", "implementation"))``, as `jmp_amp.models.GPT`
+  calls it; the jaxpr then shows the call as one equation), causal or not,
+  without mask or bias. On the half list (the default) it runs as one fused
+  op on inputs cast to the compute dtype, as torch's autocast runs
+  ``scaled_dot_product_attention``: cuDNN's flash kernel when compiled for a
+  CUDA GPU that takes them, XLA's implementation elsewhere; the softmax stays
+  float32 inside either, and it returns the compute dtype. On the float32
+  list it runs as traced; on no list its ops follow their own rules.
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_amp
