@@ -13,7 +13,10 @@ Two workloads, as users run them, compiled with XLA's default options:
   with telemetry (``numerics="**"``); torch float32 and autocast rows where
   torch is installed.
 * ``gpt``: `jmp_amp.models.GPT` (d_model 2048, 16 heads, 4 blocks, T 1024,
-  batch 8, vocab 32768, adamw) in the same modes (but all-FP8 and autocast).
+  batch 8, vocab 32768, adamw; its default fused attention) in the same
+  modes (but all-FP8 and autocast), with model FLOP/s as a share of the
+  device's dense bf16 peak (`gpt_bench`); torch's GPT with SDPA under bf16
+  autocast, eager and under ``torch.compile``, where torch is installed.
 
 Each workload runs in a process of its own (a hung compile loses that
 workload only): every mode is compiled (the seconds it took are recorded),
@@ -44,8 +47,8 @@ SIZES = {
 }
 SMALL = {
     "mlp": dict(width=64, layers=3, batch_size=16),
-    "gpt": dict(vocab_size=128, d_model=32, num_heads=2, num_layers=2,
-                max_len=16, batch_size=2),
+    "gpt": dict(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
+                max_len=64, batch_size=2),  # gpt_bench's "cpu" size
 }
 MODES = {
     "float32": dict(),
@@ -60,6 +63,7 @@ MODES = {
     "bf16-telemetry": dict(compute="bfloat16", numerics="**"),
 }
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # gpt_bench.py: the GPT's FLOPs, peaks, torch rows
 
 
 def modes_for(model, names=None):
@@ -122,12 +126,9 @@ def build(model_name, mode, sizes, seed=0):
     batches = [(t, t) for t in tokens]
     loss = gpt_lib.lm_loss
     base = optax.adamw(1e-4)
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model,
-                                                               nnx.Param)))
-    tokens_per_step = sizes["batch_size"] * cfg["max_len"]
-    # PaLM's 6ND plus the attention scores and weighted sum (12 L T d).
-    flops = (6.0 * n_params * tokens_per_step + 12.0 * cfg["num_layers"]
-             * cfg["max_len"] * cfg["d_model"] * tokens_per_step)
+    import gpt_bench
+    flops = float(gpt_bench.model_flops_per_step(
+        "gpu" if sizes == SIZES["gpt"] else "cpu"))
   rules = _rules(mode)
   if rules is not None:
     jflax.set_policies(model, rules, example_args=(batches[0][0][:1],))
@@ -204,6 +205,10 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path):
       p["loss"] = float(jax.block_until_ready(loss))
       p["times"].append((time.perf_counter() - t0) / steps)
   stats = jax.devices()[0].memory_stats() or {}
+  peak = None
+  if model_name == "gpt":
+    import gpt_bench
+    peak = gpt_bench.peak_bf16_flops(jax.devices()[0].device_kind)
   for name, p in prepared.items():
     median = statistics.median(p["times"])
     emit(dict(workload=model_name, mode=name, event="timed",
@@ -211,6 +216,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path):
               spread=(max(p["times"]) - min(p["times"])) / 2 / median,
               repeat_ms=[t * 1e3 for t in p["times"]], final_loss=p["loss"],
               model_tflops=p["flops"] / median / 1e12,
+              bf16_peak_share=(p["flops"] / median / peak if peak else None),
               process_peak_bytes=stats.get("peak_bytes_in_use")))
 
 
@@ -243,6 +249,25 @@ def _torch_mlp_rows(sizes, steps, repeats):
   return rows
 
 
+def _torch_gpt_rows(small, steps):
+  """torch's GPT with SDPA under bf16 autocast, eager and compiled, or []
+  (gpt_bench.torch_rows; on --small only eager: inductor takes minutes on a
+  CPU)."""
+  import gpt_bench
+  modes = (("torch-eager-sdpa",) if small else gpt_bench.TORCH_MODES)
+  try:
+    rows, why = gpt_bench.torch_rows("cpu" if small else "gpu", modes,
+                                     steps=steps)
+  except Exception as e:  # pylint: disable=broad-except
+    return [dict(workload="gpt", mode="torch", error=f"{type(e).__name__}: "
+                 f"{e}")]
+  if why:
+    return []
+  return [dict(workload="gpt", mode=r["mode"], ms_per_step=r["ms_per_step"],
+               final_loss=r["loss"], peak_bytes=r["peak_bytes"],
+               bf16_peak_share=r["peak_share"]) for r in rows]
+
+
 def _ratio(rows, workload, a, b):
   ms = {r["mode"]: r.get("ms_per_step") for r in rows
         if r["workload"] == workload}
@@ -263,6 +288,11 @@ def summary(rows):
                                               "bf16"),
       "gpt fp8-rowwise compile s vs bf16": rowwise_compile,
       "gpt fp16 speed vs bf16": _ratio(rows, "gpt", "fp16", "bf16"),
+      "gpt bf16 share of the dense bf16 peak": next(
+          (r.get("bf16_peak_share") for r in rows
+           if (r["workload"], r["mode"]) == ("gpt", "bf16")), None),
+      "gpt bf16 speed vs torch.compile": _ratio(rows, "gpt", "bf16",
+                                                "torch-compile-sdpa"),
       "fp8 modes whose device GEMMs are not all FP8": sorted(
           f"{r['workload']}/{r['mode']}" for r in rows
           if r.get("fp8_problem")),
@@ -335,6 +365,8 @@ def main(argv=None):
   rows = list(rows.values())
   if "mlp" in args.workloads:
     rows += _torch_mlp_rows(sizes["mlp"], steps, args.repeats)
+  if "gpt" in args.workloads and not args.small:
+    rows += _torch_gpt_rows(args.small, steps)
   import jax
   result = dict(device=device_name(), platform=jax.default_backend(),
                 jax=jax.__version__, small=args.small, steps=steps,
