@@ -116,6 +116,13 @@ def test_fp8_histories_are_stacked_per_layer_and_train(recipe):
   assert np.all(lhs[:, 0] > 0) and len(set(lhs[:, 0].tolist())) == LAYERS
 
 
+def test_fp8_first_last_of_a_scanned_stack_raises():
+  _, model = models()
+  with pytest.raises(ValueError, match=r"'blocks/attn/qkv' is stacked .*"
+                     r"keep_first_last=False"):
+    jmp_amp.flax.set_policies(model, {"*": "float8"}, example_args=(TOKENS,))
+
+
 @pytest.mark.slow  # a few train-step compiles: ~20-60 s each
 def test_telemetry_reports_the_scanned_block_modules():
   _, model = models()

@@ -416,7 +416,9 @@ def stack_shape(module: nnx.Module) -> tuple[int, ...]:
     rank = 2
   else:
     return ()
-  shape = jnp.shape(kernel[...])
+  # (.shape: the value may be abstract, a jax.ShapeDtypeStruct.)
+  value = kernel.get_value() if isinstance(kernel, nnx.Variable) else kernel
+  shape = tuple(value.shape)
   return tuple(shape[:len(shape) - rank])
 
 
