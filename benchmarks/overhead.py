@@ -655,6 +655,12 @@ FEATURE_PAIRS = {
 }
 
 
+# Issue #33's limits on each ratio.
+FEATURE_LIMITS = {"loss scaling": 1.15, "16-bit state and params": 1.3,
+                  "telemetry": 1.3, "fp8 current": 1.3, "fp8 delayed": 1.3,
+                  "fp8 rowwise": 1.5}
+
+
 def _feature_step(variant, scan_layers=False, num_layers=None):
   """(jitted step, args) of `variant`'s whole GPT train step, to lower."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -738,7 +744,8 @@ def run_features(rounds, target="cpu"):
   pairs = {}
   for feature, (with_, without) in FEATURE_PAIRS.items():
     pairs[feature] = {"with": with_, "without": without,
-                      "ratio_best": min(seconds[with_]) / min(seconds[without])}
+                      "ratio_best": min(seconds[with_]) / min(seconds[without]),
+                      "limit": FEATURE_LIMITS[feature]}
     print(f"features {feature:26s} {pairs[feature]['ratio_best']:5.2f}x",
           flush=True)
   return {"workload": "gpt16-features", "optimizer": "adamw",
