@@ -47,7 +47,13 @@ Targets:
 * ``--target compile``: the CPU time to trace, lower and compile one update
   over many small leaves (Adam over 300, SGD over 1000) and of the whole train
   step of a GPT with 24 unscanned blocks, against bare optax's;
-  ``--target compile-h100`` compiles the same steps for an H100.
+  ``--target compile-h100`` compiles the same steps for an H100 (at XLA's
+  default GPU options for the whole-step cases below).
+  ``--workloads gpt16-features``: each feature's whole train step
+  (`jmp_amp.flax.make_train_step` on a GPT of 16 unscanned blocks) against
+  the step without it (`FEATURE_PAIRS`), best of ``--rounds`` interleaved;
+  ``--workloads gpt-scanned``: the bf16 step of the GPT with its blocks
+  under `nnx.scan` or unrolled, at 4 and 24 blocks.
 
 Usage:
   python benchmarks/overhead.py --json benchmarks/results/overhead_cpu.json
@@ -646,6 +652,139 @@ def unscale_only(inner, scale):
   return optax.GradientTransformation(init, update)
 
 
+# The whole-step feature pairs (issue #33): the reference GPT, 16 unscanned
+# blocks, d_model 128, 4 heads, vocab 1024, T 64, batch 8, adamw, trained by
+# jmp_amp.flax.make_train_step; each feature against the step without it.
+FEATURE_GPT = dict(vocab_size=1024, d_model=128, num_heads=4, num_layers=16,
+                   max_len=64)
+# feature -> (variant, the variant it is measured against).
+FEATURE_PAIRS = {
+    "loss scaling": ("loss scaling", "by hand (plain adamw)"),
+    "16-bit state and params": ("16-bit state and params", "bf16"),
+    "telemetry": ("telemetry", "bf16"),
+    "fp8 current": ("fp8 current", "bf16"),
+    "fp8 delayed": ("fp8 delayed", "bf16"),
+    "fp8 rowwise": ("fp8 rowwise", "bf16"),
+}
+
+
+# Issue #33's limits on each ratio.
+FEATURE_LIMITS = {"loss scaling": 1.15, "16-bit state and params": 1.3,
+                  "telemetry": 1.3, "fp8 current": 1.3, "fp8 delayed": 1.3,
+                  "fp8 rowwise": 1.5}
+
+
+def _feature_step(variant, scan_layers=False, num_layers=None):
+  """(jitted step, args) of `variant`'s whole GPT train step, to lower."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jmp_amp.flax  # pylint: disable=import-outside-toplevel
+  from jmp_amp.models import gpt  # pylint: disable=import-outside-toplevel
+  config = dict(FEATURE_GPT, scan_layers=scan_layers)
+  if num_layers is not None:
+    config["num_layers"] = num_layers
+  model = gpt.GPT(**config, rngs=nnx.Rngs(0))
+  tokens = jnp.zeros((8, 64), jnp.int32)
+  loss_fn = lambda m, t: gpt.lm_loss(m(t), t)
+  rules = jmp_amp.flax.mixed_rules("bfloat16")
+  tx = optax.adamw(1e-3)
+  scale = jmp_amp.NoOpLossScale()
+  numerics = None
+  if variant == "16-bit state and params":
+    rules = jmp_amp.flax.mixed_rules("bfloat16", param="bfloat16",
+                                     norms="p=bf16,c=f32,o=f32")
+    tx = optax.chain(jmp_amp.optim.compress_state(tx),
+                     jmp_amp.optim.low_precision_params())
+  elif variant == "loss scaling":
+    scale = jmp_amp.DynamicLossScale(INIT_SCALE)
+  elif variant == "telemetry":
+    numerics = "**"
+  elif variant.startswith("fp8"):
+    recipe = {"fp8 current": jmp_amp.fp8.FP8Recipe(),
+              "fp8 delayed": jmp_amp.fp8.delayed_scaling(16),
+              "fp8 rowwise": jmp_amp.fp8.FP8Recipe(scaling="rowwise")}[variant]
+    rules = {"*": recipe}
+  elif variant not in ("bf16", "by hand (plain adamw)"):
+    raise ValueError(f"unknown variant {variant!r}")
+  jmp_amp.flax.set_policies(model, rules, example_args=(tokens,))
+  if variant == "by hand (plain adamw)":
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = tx.init(params)
+
+    @jax.jit
+    def hand(params, state, rest, tokens):
+      def loss(p):
+        return loss_fn(nnx.merge(graphdef, p, rest), tokens)
+      value, grads = jax.value_and_grad(loss)(params)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, value
+    return hand, (params, state, rest, tokens)
+  optimizer = nnx.Optimizer(model, jmp_amp.loss_scaling(tx, scale),
+                            wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics=numerics, jit=False)
+
+  def pure(graphdef, state, tokens):
+    m, o = nnx.merge(graphdef, state)
+    metrics = step(m, o, tokens)
+    return nnx.state((m, o)), metrics
+  graphdef, state = nnx.split((model, optimizer))
+  return jax.jit(pure, static_argnums=0), (graphdef, state, tokens)
+
+
+def feature_compile_seconds(variant, target="cpu", **kwargs):
+  """CPU seconds to trace, lower and compile `variant`'s GPT train step."""
+  jitted, args = _feature_step(variant, **kwargs)
+  jax.clear_caches()
+  start = _cpu_seconds()
+  if target == "h100":
+    from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
+    # XLA's default GPU options, as a real GPU compiles.
+    gpu_target.compile_for_gpu(jitted, *args, gemm="default")
+  else:
+    jitted.trace(*args).lower().compile()
+  return _cpu_seconds() - start
+
+
+def run_features(rounds, target="cpu"):
+  """Each feature's whole-step compile time against the step without it."""
+  variants = sorted({v for pair in FEATURE_PAIRS.values() for v in pair})
+  seconds = {name: [] for name in variants}
+  for r in range(rounds):
+    for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+      seconds[name].append(feature_compile_seconds(name, target))
+      print(f"  {name:28s} {seconds[name][-1]:6.2f} s", flush=True)
+  results = {name: {"seconds_best": min(t), "seconds_all": t}
+             for name, t in seconds.items()}
+  pairs = {}
+  for feature, (with_, without) in FEATURE_PAIRS.items():
+    pairs[feature] = {"with": with_, "without": without,
+                      "ratio_best": min(seconds[with_]) / min(seconds[without]),
+                      "limit": FEATURE_LIMITS[feature]}
+    print(f"features {feature:26s} {pairs[feature]['ratio_best']:5.2f}x",
+          flush=True)
+  return {"workload": "gpt16-features", "optimizer": "adamw",
+          "step": "GPT train step (jmp_amp.flax.make_train_step): 16 unscanned "
+                  "blocks, d_model 128, 4 heads, vocab 1024, batch 8 x 64 "
+                  "tokens, mixed bfloat16",
+          "rounds": rounds, "results": results, "pairs": pairs}
+
+
+def run_scanned(rounds, target="cpu", depths=(4, 24)):
+  """The scanned GPT's bf16 train step at each depth, against unscanned."""
+  results = {}
+  for depth in depths:
+    for scan in (True, False):
+      name = f"{'scanned' if scan else 'unscanned'} {depth} blocks"
+      times = [feature_compile_seconds("bf16", target, scan_layers=scan,
+                                       num_layers=depth)
+               for _ in range(rounds)]
+      results[name] = {"seconds_best": min(times), "seconds_all": times}
+      print(f"  {name:28s} {min(times):6.2f} s", flush=True)
+  return {"workload": "gpt-scanned", "optimizer": "adamw",
+          "step": "bf16 GPT train step, d_model 128, 4 heads, vocab 1024, "
+                  "batch 8 x 64 tokens, blocks under nnx.scan or unrolled",
+          "rounds": rounds, "results": results}
+
+
 def run_compile(case, rounds, target="cpu", gemm="default"):
   """Compile time of each variant against bare optax, interleaved rounds."""
   opt_name, leaves = COMPILE_CASES[case]
@@ -712,7 +851,12 @@ def main(argv=None):
         "rotating); ratio to bare optax taken within a round, median over "
         "rounds")
     for w in (a.workloads or ",".join(COMPILE_CASES)).split(","):
-      report["workloads"].append(run_compile(w, a.rounds, device, a.gemm))
+      if w == "gpt16-features":
+        report["workloads"].append(run_features(a.rounds, device))
+      elif w == "gpt-scanned":
+        report["workloads"].append(run_scanned(a.rounds, device))
+      else:
+        report["workloads"].append(run_compile(w, a.rounds, device, a.gemm))
   elif a.target in ("cpu", "gpu"):
     report["method"] = (
         "interleaved rounds in one process; each round runs every variant for "

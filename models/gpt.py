@@ -216,17 +216,20 @@ class GPT(nnx.Module):
     embed: token `nnx.Embed` (``vocab_size x d_model``); also the output
       head when ``tie_embeddings`` (via ``embed.attend``).
     pos_embed: learned position `nnx.Embed` (``max_len x d_model``).
-    blocks: `nnx.List` of `Block`.
+    blocks: `nnx.List` of `Block`, or with ``scan_layers`` one `Block` whose
+      variables are stacked along a leading axis of size ``num_layers``.
     ln_f: final `nnx.LayerNorm`.
     head: `nnx.Linear` ``d_model -> vocab_size`` without bias, or None when
       the embeddings are tied.
     tie_embeddings: whether the logits come from ``embed.attend``.
     max_len: longest sequence accepted.
+    scan_layers: whether the blocks run under `nnx.scan`.
   """
 
   def __init__(self, vocab_size: int = 256, d_model: int = 64,
                num_heads: int = 4, num_layers: int = 2, max_len: int = 64, *,
                mlp_ratio: int = 4, tie_embeddings: bool = True,
+               scan_layers: bool = False,
                dtype: Optional[Dtype] = None,
                param_dtype: Dtype = jnp.float32, attention: str = "fused",
                rngs: nnx.Rngs):
@@ -241,6 +244,10 @@ class GPT(nnx.Module):
       mlp_ratio: MLP hidden width as a multiple of ``d_model``.
       tie_embeddings: True for logits from the token embedding, False for a
         separate head.
+      scan_layers: False for a list of blocks, run one after the other;
+        True for one block with its variables stacked (`nnx.vmap`), run
+        under `nnx.scan`: the compiled program holds one block, and its
+        compile time does not grow with ``num_layers``.
       dtype: compute dtype of every layer (None: follow the inputs).
       param_dtype: dtype the parameters are created in.
       attention: how each block's attention is computed: "fused" (cuDNN's
@@ -255,10 +262,19 @@ class GPT(nnx.Module):
                            **knobs)
     self.pos_embed = nnx.Embed(max_len, d_model, embedding_init=_EMBED_INIT,
                                **knobs)
-    self.blocks = nnx.List([
-        Block(d_model, num_heads, mlp_ratio * d_model, attention=attention,
-              **knobs)
-        for _ in range(num_layers)])
+    self.scan_layers = scan_layers
+    if scan_layers:
+      @nnx.split_rngs(splits=num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def stacked(rngs):
+        return Block(d_model, num_heads, mlp_ratio * d_model, dtype=dtype,
+                     param_dtype=param_dtype, attention=attention, rngs=rngs)
+      self.blocks = stacked(rngs)
+    else:
+      self.blocks = nnx.List([
+          Block(d_model, num_heads, mlp_ratio * d_model, attention=attention,
+                **knobs)
+          for _ in range(num_layers)])
     self.ln_f = nnx.LayerNorm(d_model, **knobs)
     # nnx.data: a None attribute would otherwise be static, and a module
     # could never be put there later.
@@ -274,8 +290,14 @@ class GPT(nnx.Module):
     if length > self.max_len:
       raise ValueError(f"sequence length {length} > max_len {self.max_len}")
     x = self.embed(tokens) + self.pos_embed(jnp.arange(length))
-    for block in self.blocks:
-      x = block(x)
+    if self.scan_layers:
+      @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+      def run(block, x):
+        return block(x)
+      x = run(self.blocks, x)
+    else:
+      for block in self.blocks:
+        x = block(x)
     x = self.ln_f(x)
     if self.head is None:
       return self.embed.attend(x)

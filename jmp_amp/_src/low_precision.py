@@ -43,27 +43,36 @@ def _mix(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-def _random_bits16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """16 uniform random bits per element: a hash of the key and its index.
-
-  The element's index in the whole array (an iota, which XLA partitions like
-  any other value) is what is hashed, so the bits do not depend on the
-  sharding. `jax.random.bits` would too (threefry), at many times the cost
-  of the rounding on a CPU (benchmarks/results/low_precision.json); rounding
-  needs uniform bits, not cryptographic ones.
-  """
+def _key_seed(key: jax.Array) -> jax.Array:
+  """A uint32 scalar hash of a JAX random key (typed or raw key data)."""
   words = (jax.random.key_data(key) if jnp.issubdtype(
       jnp.asarray(key).dtype, jax.dtypes.prng_key) else jnp.asarray(key))
   words = words.astype(jnp.uint32).reshape(-1)
   s0 = jnp.uint32(0x9E3779B9)
   for i in range(words.shape[0]):
     s0 = _mix(s0 ^ words[i])
-  s1 = _mix(s0 ^ jnp.uint32(0x85EBCA6B))
+  return s0
+
+
+def _random_bits16(seed: jax.Array, s1: jax.Array, shape: tuple[int, ...]
+                   ) -> jax.Array:
+  """16 uniform random bits per element: a hash of `seed` and its index.
+
+  The element's index in the whole array (an iota, which XLA partitions like
+  any other value) is what is hashed, so the bits do not depend on the
+  sharding. `jax.random.bits` would too (threefry), at many times the cost
+  of the rounding on a CPU (benchmarks/results/low_precision.json); rounding
+  needs uniform bits, not cryptographic ones.
+
+  Args:
+    seed, s1: uint32 scalars, hashed in before and between the two rounds.
+    shape: the shape of the bits.
+  """
   index = jnp.zeros(shape, jnp.uint32)
   for dim, size in enumerate(shape):
     index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(
         jnp.uint32, shape, dim)
-  return _mix(_mix(index ^ s0) ^ s1) >> 16
+  return _mix(_mix(index ^ seed) ^ s1) >> 16
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
@@ -109,16 +118,24 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   # float32 and bfloat16 share sign and exponent: bfloat16 keeps the top 16
   # bits. Adding 16 uniform random bits to the low half and truncating rounds
   # the magnitude up with probability (dropped bits) / 2**16: unbiased.
+  s0 = _key_seed(key)
+  return _round_with_seeds(x, (s0, _mix(s0 ^ jnp.uint32(0x85EBCA6B))))
+
+
+def _round_with_seeds(x: jax.Array, seeds) -> jax.Array:
+  """`stochastic_round` of float32 `x` with the bits of two uint32 seeds."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   rounded = jax.lax.bitcast_convert_type(
-      (bits + _random_bits16(key, x.shape)) & jnp.uint32(0xFFFF0000),
+      (bits + _random_bits16(*seeds, x.shape)) & jnp.uint32(0xFFFF0000),
       jnp.float32)
   # Rounding up from bfloat16's largest finite value carries into the
   # exponent and gives inf; saturate instead (a select: a clip would flush
   # subnormals on CPU).
-  largest = jnp.float32(jnp.finfo(jnp.bfloat16).max)
-  rounded = jnp.where(jnp.isinf(rounded), jnp.copysign(largest, x), rounded)
-  return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
+  # lax.select, not jnp.where: no nested jit per leaf (compile time).
+  largest = jnp.full_like(x, jnp.finfo(jnp.bfloat16).max)
+  rounded = jax.lax.select(jnp.isinf(rounded), jnp.copysign(largest, x),
+                           rounded)
+  return jax.lax.select(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)
 
 
 def _check_key(key: Any, what: str) -> None:
@@ -137,9 +154,12 @@ def _check_key(key: Any, what: str) -> None:
       f"uint32 key data, jax.random.PRNGKey(seed); got {got}")
 
 
-def _round_like(x: jax.Array, dtype, key, rounding: str) -> jax.Array:
+def _round_like(x: jax.Array, dtype, seeds, rounding: str) -> jax.Array:
   if rounding == "stochastic" and np.dtype(dtype) == jnp.bfloat16:
-    return stochastic_round(x, key)
+    if x.size > 2 ** 32:
+      raise ValueError(f"stochastic rounding: an array of {x.size} elements;"
+                       " at most 2**32 are supported")
+    return _round_with_seeds(x.astype(jnp.float32), seeds)
   return x.astype(dtype)
 
 
@@ -168,10 +188,20 @@ def _seed_key(seed: Any, stream: int, who: str) -> jax.Array:
 
 
 def _next_keys(key_data: jax.Array, n: int):
-  """The state's next key and one key per leaf for this step."""
+  """The state's next key and the seeds of each leaf's bits for this step.
+
+  One threefry split per update; a leaf's seeds are then the step key's two
+  words, the first xor-ed with a constant of the leaf's number: per leaf, the
+  compiled step gets one scalar xor on top of the rounding. (A threefry
+  `fold_in` per leaf, as before, made a GPT's train step several times larger
+  and slower to compile; so did a hashed vector of per-leaf seeds, which XLA
+  recomputes inside every leaf's fusion. Issue #33.)
+  """
   following, now = jax.random.split(jax.random.wrap_key_data(key_data))
-  return (jax.random.key_data(following),
-          [jax.random.fold_in(now, i) for i in range(n)])
+  w0, w1 = jax.random.key_data(now).astype(jnp.uint32).reshape(-1)[:2]
+  seeds = [(w0 ^ jnp.uint32(((i + 1) * 0x9E3779B9) % 2 ** 32), w1)
+           for i in range(n)]
+  return jax.random.key_data(following), seeds
 
 
 class CompressedState(NamedTuple):

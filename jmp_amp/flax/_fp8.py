@@ -58,15 +58,18 @@ class FP8Op(nnx.Module):
 
   def __init__(self, recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe(), *,
                original: Any = None, original_dtype: Any = None,
-               name: str = ""):
+               name: str = "", stack_shape: tuple[int, ...] = ()):
     self.recipe = recipe
     self.original = original
     self.original_dtype = original_dtype
     self.name = name
     state = fp8_lib.init_state(recipe)
-    self.lhs_amax_history = FP8Meta(state.lhs)
-    self.rhs_amax_history = FP8Meta(state.rhs)
-    self.grad_amax_history = FP8Meta(state.grad)
+    # A module stacked by nnx.vmap (layers run under nnx.scan) gets one
+    # history per layer, stacked as its params are.
+    stack = lambda h: jnp.zeros(tuple(stack_shape) + h.shape, h.dtype)
+    self.lhs_amax_history = FP8Meta(stack(state.lhs))
+    self.rhs_amax_history = FP8Meta(stack(state.rhs))
+    self.grad_amax_history = FP8Meta(stack(state.grad))
 
   def state(self) -> fp8_lib.FP8State:
     """The histories as an `FP8State` of arrays."""
@@ -390,10 +393,34 @@ def convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe,
   else:
     original, dtype = current, getattr(module, "dtype", None)
   op = _OP_CLASSES[name](recipe, original=original, original_dtype=dtype,
-                         name=path_str(path))
+                         name=path_str(path), stack_shape=stack_shape(module))
   setattr(module, name, nnx.data(op))
   if "dtype" in vars(module):
     setattr(module, "dtype", recipe.compute_dtype)
+
+
+def stack_shape(module: nnx.Module) -> tuple[int, ...]:
+  """The leading axes `nnx.vmap` stacked `module`'s kernel along, or ().
+
+  Known from the kernel's rank against the one the module's own attributes
+  give (Linear: 2, Einsum: its kernel_shape's, Conv: its kernel_size's + 2);
+  other modules count as unstacked.
+  """
+  kernel = vars(module).get("kernel")
+  if kernel is None:
+    return ()
+  if isinstance(module, nnx.Einsum):
+    rank = len(module.kernel_shape)
+  elif isinstance(module, nnx.Conv):
+    rank = len(module.kernel_size) + 2
+  elif isinstance(module, nnx.Linear):
+    rank = 2
+  else:
+    return ()
+  # (.shape: the value may be abstract, a jax.ShapeDtypeStruct.)
+  value = kernel.get_value() if isinstance(kernel, nnx.Variable) else kernel
+  shape = tuple(value.shape)
+  return tuple(shape[:len(shape) - rank])
 
 
 def restore(module: nnx.Module) -> None:

@@ -351,6 +351,18 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
         p for p, pol in capable if pol.keep_first_last})
   else:
     ends = set()
+  mods = dict(modules)
+  for path in sorted(ends):
+    if fp8_lib.stack_shape(mods[path]):
+      # One module stands for every layer of a scanned stack: keeping it in
+      # bfloat16 would keep all its layers, not the first or last.
+      raise ValueError(
+          f"FP8's first or last matmul module {_path_str(path)!r} is stacked "
+          f"(layers run under nnx.scan, kernel axes "
+          f"{fp8_lib.stack_shape(mods[path])} in front): keep_first_last "
+          "cannot keep one layer of a stack in bfloat16. Give it the rule "
+          "value jmp_amp.flax.fp8.FP8Policy(recipe, keep_first_last=False) "
+          "(every layer FP8), or a non-FP8 policy (every layer bfloat16).")
   chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
   by_path = {p: m for p, m, _ in decided}
   for path, pol in capable:
