@@ -662,8 +662,11 @@ _fast_jit = functools.partial(jax.jit, compiler_options={
 def test_gpt():
   from flax import nnx
   models = _models()
+  # The written-out attention: its contractions are the ops autocast casts
+  # (XLA's fused attention on a CPU contracts float32 score gradients).
   model = _build(lambda: models.GPT(vocab_size=32, d_model=16, num_heads=2,
-                                    num_layers=1, max_len=8, rngs=nnx.Rngs(0)))
+                                    num_layers=1, max_len=8,
+                                    attention="einsum", rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model)
   tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
 
@@ -779,8 +782,11 @@ def test_gpt_activations_between_layers_stay_half():
   # what flows from block to block is half; norms, softmax and loss are not.
   from flax import nnx
   models = _models()
+  # The written-out attention: its contractions are the ops autocast casts
+  # (XLA's fused attention on a CPU contracts float32 score gradients).
   model = _build(lambda: models.GPT(vocab_size=32, d_model=16, num_heads=2,
-                                    num_layers=2, max_len=8, rngs=nnx.Rngs(0)))
+                                    num_layers=2, max_len=8,
+                                    attention="einsum", rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model)
   tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
 

@@ -350,16 +350,20 @@ def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   for r in (rules, autocast):
     assert r["status"] == "ok", r.get("error")
     assert set(r) == RUN_KEYS
-    # FP8 rounds operands and multiplies them in bfloat16 on the CPU.
+    # The FP8 GEMMs take FP8 operands (E4M3, and the E5M2 gradient); the
+    # CPU multiplies them as it can ("emulated"); other matmuls are bf16.
     assert r["matmuls"]["fp8"] == "emulated"
-    assert r["matmuls"]["input_dtypes"] == ["bf16"], r["matmuls"]
+    dtypes = set(r["matmuls"]["input_dtypes"])
+    assert {"float8_e4m3fn", "float8_e5m2"} <= dtypes <= {
+        "bf16", "float8_e4m3fn", "float8_e5m2"}, r["matmuls"]
     assert r["loss_scale"] is None and r["skipped_steps"] == 0
     # Same data and steps: a tiny MLP (MSE on random targets) ends within
     # 5 % of float32's loss (measured: under 1 %).
     assert r["final_loss"] == pytest.approx(f32["final_loss"], rel=0.05)
     assert r["final_loss"] != f32["final_loss"]
   text = _report([f32, rules, autocast], 250)
-  assert "FP8 emulated (E4M3/E5M2-rounded operands): 8 x bf16 x bf16" in text
+  assert ("FP8 emulated (E4M3/E5M2-rounded operands): 3 x float8_e4m3fn x "
+          "float8_e4m3fn") in " ".join(text.split())
   assert "FP8 modes (fp8, autocast-fp8) are emulated here" in " ".join(
       text.split())
 

@@ -269,10 +269,10 @@ CPU_NOTE = ("Note: this ran on a CPU, where XLA has no fast half-precision "
             "matmul, so half precision is not expected to be faster here; "
             "the speed-ups are for GPUs. The matmul dtypes and the memory "
             "column still show what each mode compiles to.")
-FP8_NOTE = ("FP8 modes ({modes}) are emulated here: operands are rounded to "
-            "FP8 (E4M3 forward, E5M2 gradients) and multiplied in bfloat16, "
-            "so the numerics are FP8's but the speed is not; `--target h100` "
-            "shows the FP8 GEMMs XLA emits for a Hopper GPU.")
+FP8_NOTE = ("FP8 modes ({modes}) are emulated here: the GEMMs take FP8 "
+            "operands (E4M3 forward, E5M2 gradients), which the CPU multiplies "
+            "in wider types, so the numerics are FP8's but the speed is not; "
+            "`--target h100` shows the FP8 GEMMs XLA emits for a Hopper GPU.")
 
 
 def format_report(runs: list[dict[str, Any]], env: dict[str, Any],
