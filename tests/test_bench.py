@@ -134,19 +134,15 @@ def _first_progress_line(stream):
   return ""
 
 
-def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
-  # In the default run (#35): the CLI as a user pipes it (`| tee`, CI), at
-  # 80 columns: progress on stderr while it runs, only the report on stdout.
-  # From a directory holding its own models.py: the bench must use
-  # jmp_amp.models, never a top-level `models` found in the current directory.
-  (tmp_path / "models.py").write_text(
-      "raise ImportError('the user project models.py was imported')\n")
-  flags = [f for f in TINY if f != "--no-progress"]
+def _run_piped(argv, cwd, expected, env):
+  """Runs the bench module with stdout and stderr piped, as CI or ``| tee``
+  do; checks that the first progress line arrives while it runs and that
+  each of `expected` is a progress line on stderr, never on stdout.
+  Returns stdout."""
   proc = subprocess.Popen(
-      [sys.executable, "-m", "jmp_amp.tools.bench", *flags, "--policy",
-       "float32", "--policy", "bf16", "--repeats", "1"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      cwd=tmp_path, env=_env(COLUMNS="80"))
+      [sys.executable, "-m", "jmp_amp.tools.bench", *argv],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+      env=env)
   try:
     first = _first_progress_line(proc.stderr)
     running = proc.poll() is None
@@ -158,11 +154,26 @@ def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
   assert running, "the first progress line came only at the end"
   progress = [line for line in rest.splitlines()
               if line.startswith("jmp-amp bench: ")]
-  for text in ("float32: compiled in ", "compiling bf16 (2/2)",
-               "timing repeat 1/1 of 2 mode(s)", "bf16: median step "):
+  for text in expected:
     assert any(line.startswith("jmp-amp bench: " + text)
                for line in progress), (text, progress)
   assert "jmp-amp bench:" not in out  # stdout holds only the report
+  return out
+
+
+def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
+  # In the default run (#35): the CLI as a user pipes it (`| tee`, CI), at
+  # 80 columns: progress on stderr while it runs, only the report on stdout.
+  # From a directory holding its own models.py: the bench must use
+  # jmp_amp.models, never a top-level `models` found in the current directory.
+  (tmp_path / "models.py").write_text(
+      "raise ImportError('the user project models.py was imported')\n")
+  flags = [f for f in TINY if f != "--no-progress"]
+  out = _run_piped(
+      [*flags, "--policy", "float32", "--policy", "bf16", "--repeats", "1"],
+      tmp_path, ("float32: compiled in ", "compiling bf16 (2/2)",
+                 "timing repeat 1/1 of 2 mode(s)", "bf16: median step "),
+      _env(COLUMNS="80"))
   lines = out.splitlines()
   assert "step ms" in out and "Verdict: " in out
   assert max(len(line) for line in lines) <= 80, out
@@ -428,29 +439,13 @@ def test_verdict_claims_nothing_when_no_mode_ran():
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
   # Pipes for stdout and stderr, as in CI or `| tee`: one line per mode as it
   # starts and ends, on stderr, while the bench runs.
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "jmp_amp.tools.bench", "--model", "gpt",
-       "--policy", "float32", "--policy", "bf16", "--batch-size", "2",
-       "--batches", "1", "--epochs", "2", "--warmup", "1", "--repeats", "1"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-      env=_env())
-  try:
-    first = _first_progress_line(proc.stderr)
-    running = proc.poll() is None
-    out, rest = proc.communicate(timeout=300)
-  finally:
-    proc.kill()
-  assert proc.returncode == 0, rest
-  assert first == "jmp-amp bench: compiling float32 (1/2)\n", first + rest
-  assert running, "the first progress line came only at the end"
-  lines = [line for line in rest.splitlines()
-           if line.startswith("jmp-amp bench: ")]
-  for text in ("float32: compiled in ", "compiling bf16 (2/2)",
-               "bf16: compiled in ", "timing repeat 1/1 of 2 mode(s)",
-               "float32: median step ", "bf16: median step "):
-    assert any(line.startswith("jmp-amp bench: " + text) for line in lines), (
-        text, lines)
-  assert "jmp-amp bench:" not in out  # stdout holds only the report
+  out = _run_piped(
+      ["--model", "gpt", "--policy", "float32", "--policy", "bf16",
+       "--batch-size", "2", "--batches", "1", "--epochs", "2", "--warmup",
+       "1", "--repeats", "1"], tmp_path,
+      ("float32: compiled in ", "compiling bf16 (2/2)", "bf16: compiled in ",
+       "timing repeat 1/1 of 2 mode(s)", "float32: median step ",
+       "bf16: median step "), _env())
   assert "Verdict: " in out
 
 

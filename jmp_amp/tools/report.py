@@ -256,7 +256,7 @@ class MatmulReport(Sequence[MatmulRecord]):
     for layer in list(want) + [k for k in found if k not in want]:
       sigs = found.get(layer, {})
       total = sum(sigs.values())
-      bad = {s: n for s, n in sigs.items() if not _is_fp8_signature(s)}
+      bad = {s: n for s, n in sigs.items() if not is_fp8_signature(s)}
       reasons = []
       if bad:
         reasons.append(f"{sum(bad.values())} of {total} ops not FP8 (" +
@@ -311,7 +311,7 @@ class MatmulReport(Sequence[MatmulRecord]):
     return "\n".join(lines)
 
 
-def _is_fp8_signature(signature: str) -> bool:
+def is_fp8_signature(signature: str) -> bool:
   lhs, rhs = signature.split(" -> ")[0].split(" x ")
   return lhs.startswith("float8") and rhs.startswith("float8")
 

@@ -23,6 +23,7 @@ import optax
 
 import jmp_amp
 from jmp_amp.tools import audit
+from jmp_amp.tools import report as report_lib
 from jmp_amp.tools.bench import workloads
 
 
@@ -57,11 +58,9 @@ def fp8_check(name: str, compiled_report, asked_report) -> Optional[str]:
     return None
   if workloads.JAX_MODES[name].get("autocast"):
     # Fused attention calls are no GEMMs: autocast keeps attention half.
-    def fp8(sig):
-      lhs, rhs = sig.split(" -> ")[0].split(" x ")
-      return lhs.startswith("float8") and rhs.startswith("float8")
     bad = {s: n for s, n in compiled_report.counts_by_signature().items()
-           if not s.startswith("attention ") and not fp8(s)}
+           if not s.startswith("attention ")
+           and not report_lib.is_fp8_signature(s)}
     if bad or not len(compiled_report):
       return ("not every GEMM is FP8: " + (", ".join(
           f"{n} x {s}" for s, n in bad.items()) or "no GEMM"))
