@@ -258,6 +258,32 @@ def test_nnx_module_argument_lowers_through_nnx_jit():
   assert len(report) == 2 and report[0].rhs_shape == (4, 8)
 
 
+def test_pytree_leaves_that_are_no_arrays_are_static():
+  # A layer as a plain pytree: its activation function, name and size are no
+  # arrays; jit alone refuses the function ("as an abstract array").
+  layer = {"w": jnp.ones((4, 8), BF16), "act": jnp.tanh, "name": "dense",
+           "width": 8}
+
+  def apply(layer, x, scale):
+    assert layer["name"] == "dense" and layer["width"] == 8
+    y = layer["act"](x @ layer["w"]) * jnp.ones(layer["width"], BF16)
+    return {"y": y * scale, "act": layer["act"]}  # a callable output, too
+
+  x = jnp.ones((3, 4), BF16)
+  with pytest.raises(TypeError, match="as an abstract array"):
+    jax.jit(apply).lower(layer, x, 2.0)
+  for stage in ("lowered", "compiled"):
+    rec, = matmul_report(apply, layer, x, 2.0, stage=stage)
+    assert rec.lhs_shape == (3, 4) and rec.rhs_shape == (4, 8)
+  rec, = matmul_report(lambda x, layer: apply(layer, x, 1.0), x, layer=layer)
+  assert rec.signature == "bf16 x bf16 -> bf16"
+  # A number passed as an argument stays traced, as jax.jit has it: both
+  # branches of the conditional are in the program.
+  report = matmul_report(lambda p, layer: lax.cond(
+      p, lambda: x @ layer["w"], lambda: (2 * x) @ layer["w"]), True, layer)
+  assert len(report) == 2
+
+
 def test_import_does_not_import_flax():
   code = ("import sys, jmp_amp; jmp_amp.matmul_report; "
           "assert 'flax' not in sys.modules, 'flax imported'")

@@ -5,21 +5,27 @@ inputs, and a stray float32 operand silently promotes a dot (and, through
 autodiff, its transposes). `matmul_report` stages a function (with `jax.jit`,
 or `flax.nnx.jit` for NNX modules) and reads every dot_general / convolution
 of the program with its dtypes, shapes and FLOPs into a `MatmulReport` (see
-`jmp_amp.tools.report` for how the program is read and counted).
+`jmp_amp.tools.report` for how the program is read and counted). Pytrees
+with leaves jit cannot trace (an Equinox module's activation function) are
+staged as `equinox.filter_jit` stages them: such leaves are static, closed
+over, and the arrays are the program's arguments.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Optional, Sequence, Union
 
 import jax
+import numpy as np
 
 from jmp_amp.tools.report import MatmulReport
 from jmp_amp.tools.report import report_from_hlo
 from jmp_amp.tools.report import report_from_stablehlo
 
 STAGES = ("lowered", "compiled")
+_NUMBERS = (bool, int, float, complex)
 
 
 def matmul_report(fn: Any, *args: Any, stage: str = "lowered",
@@ -30,7 +36,12 @@ def matmul_report(fn: Any, *args: Any, stage: str = "lowered",
 
   Nothing is executed: `fn` is traced and lowered (and, for
   ``stage="compiled"``, compiled) with `jax.jit`, or with `flax.nnx.jit` when
-  an argument is a Flax NNX module or other graph object.
+  an argument is a Flax NNX module or other graph object. Leaves of the
+  arguments that are not arrays (an Equinox module's activation function,
+  its flags and sizes) are static, as under `equinox.filter_jit`; a number
+  passed as an argument itself is traced, as by `jax.jit`. A callable pytree
+  that holds arrays (an Equinox module) can be `fn` itself: its arrays are
+  then arguments of the program, not constants.
 
   Example:
     >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
@@ -42,12 +53,12 @@ def matmul_report(fn: Any, *args: Any, stage: str = "lowered",
     [192, 192]
 
   Args:
-    fn: a callable (a Flax NNX module too), an already-jitted function
-      (anything with ``.lower``), a `jax.stages.Lowered` or a
+    fn: a callable (a Flax NNX or Equinox module too), an already-jitted
+      function (anything with ``.lower``), a `jax.stages.Lowered` or a
       `jax.stages.Compiled` (then no arguments; a Compiled object is always
       read at the compiled stage).
-    *args: positional arguments to lower `fn` with (arrays or
-      `jax.ShapeDtypeStruct`).
+    *args: positional arguments to lower `fn` with: pytrees of arrays or
+      `jax.ShapeDtypeStruct`, whose other leaves are static.
     stage: "lowered" reads the StableHLO JAX emits, i.e. the dtypes the program
       asks for. "compiled" reads the HLO after XLA's optimizations, i.e. what
       the backend runs (XLA:CPU, for instance, upcasts bf16 dots to f32).
@@ -102,20 +113,91 @@ def lower(fn: Any, *args: Any, static_argnums=(), static_argnames=(),
           "static_argnums/static_argnames only apply when fn is not jitted "
           "yet; give them to the jit that made this function instead")
     return fn.lower(*args, **kwargs)
-  if _is_flax_graph_node(fn):
-    # A module is state as well as code: pass it as an argument so that
-    # nnx.jit tracks its variables instead of baking them in as constants.
+  if _is_module(fn):
+    # A module is state as well as code: as an argument, jit traces its
+    # arrays instead of baking them in as constants, and nnx.jit tracks its
+    # variables.
     args, fn = (fn,) + args, _call_module
-    if isinstance(static_argnums, int):
-      static_argnums = (static_argnums,)
-    static_argnums = tuple(i + 1 if i >= 0 else i for i in static_argnums or ())
+    static_argnums = _shifted(static_argnums)
+    jit_kwargs = {k: _shifted(v) if k == "donate_argnums" else v
+                  for k, v in (jit_kwargs or {}).items()}
   if _has_flax_graph_node(args, kwargs):
     from flax import nnx  # pylint: disable=g-import-not-at-top
     jit = nnx.jit
   else:
     jit = jax.jit
+    fn, args, kwargs = _close_over_static(fn, args, kwargs, static_argnums,
+                                          static_argnames)
   return jit(fn, static_argnums=static_argnums, static_argnames=static_argnames,
              **(jit_kwargs or {})).lower(*args, **kwargs)
+
+
+def _is_module(fn: Any) -> bool:
+  """A Flax NNX graph node, or a callable pytree holding arrays (an Equinox
+  module)."""
+  return _is_flax_graph_node(fn) or any(
+      _is_array(x) for x in jax.tree_util.tree_leaves(fn))
+
+
+def _shifted(argnums) -> tuple[int, ...]:
+  """`argnums` once an argument is put before the others."""
+  if isinstance(argnums, int):
+    argnums = (argnums,)
+  return tuple(i + 1 if i >= 0 else i for i in argnums or ())
+
+
+def _is_array(x: Any) -> bool:
+  """An array or an array spec: what `equinox.filter_jit` traces."""
+  return (isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+          or hasattr(x, "__jax_array__"))
+
+
+def _part(argument: Any, traced: bool) -> Any:
+  """The traced (or the static) leaves of `argument`, None for the others.
+
+  A number passed as an argument is traced, as by `jax.jit`; in a pytree (a
+  module's flag or size) it is static, as under `equinox.filter_jit`.
+  """
+  if isinstance(argument, _NUMBERS):
+    return argument if traced else None
+  return jax.tree_util.tree_map(
+      lambda x: x if _is_array(x) == traced else None, argument)
+
+
+def _close_over_static(fn, args: tuple, kwargs: dict, static_argnums,
+                       static_argnames):
+  """`fn`, `args`, `kwargs` with the static leaves of the arguments closed
+  over (see `_part`).
+
+  jit gets None in place of a static leaf and `fn` gets the leaf back, as
+  with `equinox.partition` and `equinox.combine`; arguments named static
+  stay as they are (jit hashes them). Leaves of the outputs that jit cannot
+  return (a train step returns its module) are None in the program.
+  """
+  if isinstance(static_argnums, int):
+    static_argnums = (static_argnums,)
+  if isinstance(static_argnames, str):
+    static_argnames = (static_argnames,)
+  skip = {i % len(args) for i in static_argnums or ()} if args else set()
+  split = ({i: a for i, a in enumerate(args) if i not in skip},
+           {k: v for k, v in kwargs.items() if k not in (static_argnames or ())})
+  static = tuple({k: _part(v, False) for k, v in part.items()} for part in split)
+  positional, named = ({k: _part(v, True) for k, v in part.items()}
+                       for part in split)
+
+  @functools.wraps(fn)
+  def with_static(*args, **kwargs):
+    dynamic = ({i: args[i] for i in positional}, {k: kwargs[k] for k in named})
+    positional_, named_ = jax.tree_util.tree_map(
+        lambda d, s: s if d is None else d, dynamic, static,
+        is_leaf=lambda x: x is None)
+    args = [positional_.get(i, a) for i, a in enumerate(args)]
+    return jax.tree_util.tree_map(
+        lambda x: x if _is_array(x) or isinstance(x, _NUMBERS) else None,
+        fn(*args, **{**kwargs, **named_}))
+
+  return (with_static, tuple(positional.get(i, a) for i, a in enumerate(args)),
+          {**kwargs, **named})
 
 
 def _from_flax(x: Any) -> bool:

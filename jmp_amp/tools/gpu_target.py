@@ -302,9 +302,10 @@ def compile_for_gpu(fn: Any, *args: Any, target: str = "h100",
   """Compiles `fn(*args, **kwargs)` for `target` on a machine without one.
 
   Args:
-    fn: a function or an already-jitted function (its own jit options hold).
+    fn: a function (an Equinox or Flax NNX module too) or an already-jitted
+      function (its own jit options hold).
     *args: pytrees of arrays or `jax.ShapeDtypeStruct`; only shapes and
-      dtypes are used.
+      dtypes are used. Other leaves are static (see `matmul_report`).
     target: "h100".
     gemm: "default" (XLA's default options, as a GPU compiles: Triton
       GEMMs, untuned) or "cublas" (Triton GEMMs off, every GEMM a cuBLAS
@@ -390,8 +391,10 @@ def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "default",
     report.summary()["temp_bytes"]
 
   Args:
-    fn: a function or an already-jitted function.
-    *args: pytrees of arrays or `jax.ShapeDtypeStruct`.
+    fn: a function (an Equinox or Flax NNX module too) or an already-jitted
+      function.
+    *args: pytrees of arrays or `jax.ShapeDtypeStruct`; other leaves are
+      static (see `matmul_report`).
     target: "h100" (an H100 SXM 80GB).
     gemm: "default" (XLA's default options) or "cublas" (Triton GEMMs
       off), see `compile_for_gpu`.
