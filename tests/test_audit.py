@@ -319,6 +319,17 @@ def test_bad_input_raises_clear_errors():
     matmul_report(jax.jit(jnp.dot), jnp.ones(2), jnp.ones(2),
                   static_argnames="precision")
 
+  class OwnJit:  # a wrapper whose `lower` gives no JAX stage
+
+    def __call__(self, x):
+      return x
+
+    def lower(self, x):
+      return "module @f {}"
+
+  with pytest.raises(TypeError, match=r"returned a str, not a jax.stages.Lowered"):
+    matmul_report(OwnJit(), jnp.ones(2))
+
 
 # Text fixtures: what matmul_report parses, for forms CPU runs cannot produce.
 

@@ -88,12 +88,17 @@ def test_fp16_mlp_follows_the_float32_loss(how, float32_losses):
 
 @pytest.mark.parametrize("how", sorted(LOSSES))
 def test_every_matmul_of_the_step_is_float16(how):
-  x, y = regression_batch()
-  report = jmp_amp.matmul_report(eqx.filter_grad(LOSSES[how]), mlp(), x, y)
-  # Three layers forward; backward three weight gradients and two input
-  # gradients (the batch needs none).
-  assert len(report) == 8, report
-  assert report.all_inputs_in("f16"), report.counts_by_signature()
+  opt = jmp_amp.loss_scaling(optax.adam(3e-3), jmp_amp.DynamicLossScale(2.0**15))
+  model, (x, y) = mlp(), regression_batch()
+  opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+  step = make_step(LOSSES[how], opt, scaled=True)  # an equinox.filter_jit
+  for fn, args in ((eqx.filter_grad(LOSSES[how]), (model, x, y)),
+                   (step, (model, opt_state, x, y))):
+    report = jmp_amp.matmul_report(fn, *args)
+    # Three layers forward; backward three weight gradients and two input
+    # gradients (the batch needs none).
+    assert len(report) == 8, report
+    assert report.all_inputs_in("f16"), report.counts_by_signature()
 
 
 @pytest.mark.parametrize("how", sorted(LOSSES))

@@ -54,9 +54,9 @@ def matmul_report(fn: Any, *args: Any, stage: str = "lowered",
 
   Args:
     fn: a callable (a Flax NNX or Equinox module too), an already-jitted
-      function (anything with ``.lower``), a `jax.stages.Lowered` or a
-      `jax.stages.Compiled` (then no arguments; a Compiled object is always
-      read at the compiled stage).
+      function (anything with ``.lower``: `jax.jit`'s, `equinox.filter_jit`'s),
+      a `jax.stages.Lowered` or a `jax.stages.Compiled` (then no arguments; a
+      Compiled object is always read at the compiled stage).
     *args: positional arguments to lower `fn` with: pytrees of arrays or
       `jax.ShapeDtypeStruct`, whose other leaves are static.
     stage: "lowered" reads the StableHLO JAX emits, i.e. the dtypes the program
@@ -72,8 +72,8 @@ def matmul_report(fn: Any, *args: Any, stage: str = "lowered",
     A `MatmulReport`.
 
   Raises:
-    TypeError: `fn` is not callable, or arguments were given with a Lowered /
-      Compiled object.
+    TypeError: `fn` is not callable, arguments were given with a Lowered /
+      Compiled object, or ``fn.lower`` gave no JAX stage.
     ValueError: `stage` is not one of "lowered", "compiled".
   """
   if stage not in STAGES:
@@ -112,7 +112,14 @@ def lower(fn: Any, *args: Any, static_argnums=(), static_argnames=(),
       raise TypeError(
           "static_argnums/static_argnames only apply when fn is not jitted "
           "yet; give them to the jit that made this function instead")
-    return fn.lower(*args, **kwargs)
+    staged = fn.lower(*args, **kwargs)
+    # `equinox.filter_jit`'s staged object holds JAX's as `.lowered`.
+    staged = getattr(staged, "lowered", staged)
+    if not isinstance(staged, (jax.stages.Lowered, jax.stages.Compiled)):
+      raise TypeError(
+          f"fn.lower(...) returned a {type(staged).__name__}, not a "
+          "jax.stages.Lowered; pass the function before it was jitted")
+    return staged
   if _is_module(fn):
     # A module is state as well as code: as an argument, jit traces its
     # arrays instead of baking them in as constants, and nnx.jit tracks its
