@@ -7,7 +7,8 @@ previous python block, in that block's namespace). A ```text block right after
 a python block is that block's output, compared as a doctest compares (``...``
 matches anything). A block that needs what the test machine may lack says so
 on the line before it, with the reason: ``<!-- docs: requires torch: why -->``
-(also ``gpu``, ``gpu-audit``); it is skipped only where that is missing.
+(also ``equinox``, ``gpu``, ``gpu-audit``); it is skipped only where that is
+missing.
 
 Figures. A figure quoted in the prose carries, right after it, the place it
 comes from: ``0.55x<!-- fig: h100_compiled.json workloads.mlp.rows[mode=bf16]
@@ -85,6 +86,7 @@ def _has_h100_target() -> bool:
 # What a `requires` marker may name, and how to tell it is there.
 REQUIREMENTS = {
     "torch": lambda: importlib.util.find_spec("torch") is not None,
+    "equinox": lambda: importlib.util.find_spec("equinox") is not None,
     "gpu": lambda: jax.default_backend() == "gpu",
     "gpu-audit": _has_h100_target,
 }
