@@ -113,8 +113,9 @@ def lower(fn: Any, *args: Any, static_argnums=(), static_argnames=(),
           "static_argnums/static_argnames only apply when fn is not jitted "
           "yet; give them to the jit that made this function instead")
     staged = fn.lower(*args, **kwargs)
-    # `equinox.filter_jit`'s staged object holds JAX's as `.lowered`.
-    staged = getattr(staged, "lowered", staged)
+    if not isinstance(staged, (jax.stages.Lowered, jax.stages.Compiled)):
+      # `equinox.filter_jit`'s staged object holds JAX's as `.lowered`.
+      staged = getattr(staged, "lowered", staged)
     if not isinstance(staged, (jax.stages.Lowered, jax.stages.Compiled)):
       raise TypeError(
           f"fn.lower(...) returned a {type(staged).__name__}, not a "
