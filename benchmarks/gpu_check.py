@@ -182,8 +182,8 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path):
       device_report = audit.matmul_report(compiled)
       on_cpu = jax.default_backend() == "cpu"
       problem = None if on_cpu else timing.fp8_check(
-          "autocast-fp8" if mode.get("autocast") else
-          ("fp8" if mode.get("fp8") else "bf16"), device_report,
+          "autocast-float8" if mode.get("autocast") else
+          ("float8" if mode.get("fp8") else "mixed_bfloat16"), device_report,
           audit.matmul_report(lowered))
       prepared[name] = dict(compiled=compiled, state=state, batches=batches,
                             times=[], flops=flops)
