@@ -5,10 +5,10 @@ The pieces benchmarks/gpu_check.py calls for the GPT rows:
 
 * `build_step(mode, size)`: the jitted adamw train step of `jmp_amp.models.GPT`
   (flash attention, ``attention="fused"``), its donated state and batch, for
-  a mode of `jmp-amp bench` (``"bf16"``, ``"fp16"`` with dynamic loss
-  scaling, ``"autocast-bf16"``, ``"fp8"``...), at the issue's GPU size
-  (``"gpu"``: d_model 2048, 16 heads, 4 blocks, T 1024, batch 8, vocab 32768)
-  or a tiny CPU size (``"cpu"``);
+  a mode of `jmp-amp bench` (``"mixed_bfloat16"``, ``"mixed_float16"`` with
+  dynamic loss scaling, ``"autocast-mixed_bfloat16"``, ``"float8"``...), at
+  the issue's GPU size (``"gpu"``: d_model 2048, 16 heads, 4 blocks, T 1024,
+  batch 8, vocab 32768) or a tiny CPU size (``"cpu"``);
 * `time_jax(mode, size)`: that step's median ms/step and the device's peak
   memory;
 * `model_flops_per_step(size)`: PaLM's model FLOPs, ``6 N D`` plus
@@ -22,7 +22,7 @@ The pieces benchmarks/gpu_check.py calls for the GPT rows:
 
 Run it alone for a quick table (``--size cpu`` on a laptop)::
 
-    python benchmarks/gpt_bench.py --size cpu --modes float32 bf16
+    python benchmarks/gpt_bench.py --size cpu --modes float32 mixed_bfloat16
 """
 
 from __future__ import annotations
@@ -334,7 +334,9 @@ def torch_rows(size: str = "gpu", modes: Sequence[str] = TORCH_MODES,
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", default="gpu", choices=sorted(SIZES))
-  parser.add_argument("--modes", nargs="*", default=["bf16", "fp16"])
+  from jmp_amp.tools.bench import workloads  # pylint: disable=g-import-not-at-top
+  parser.add_argument("--modes", nargs="*", choices=list(workloads.JAX_MODES),
+                      default=["mixed_bfloat16", "mixed_float16"])
   parser.add_argument("--torch", nargs="*", default=list(TORCH_MODES),
                       choices=TORCH_MODES)
   parser.add_argument("--steps", type=int, default=20)

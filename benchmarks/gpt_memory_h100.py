@@ -4,10 +4,11 @@
 Compiles the GPT train step of benchmarks/h100_compiled.py (d 1024, 16 heads,
 4 layers, T 1024, batch 16, vocab 8192, adamw, state donated; the GPT's
 default flash attention, `jax.nn.dot_product_attention`, which is cuDNN's
-fused kernel in the half modes) in float32, under the bf16 policy
-(`jmp_amp.flax.mixed_rules("bfloat16")`) and under autocast-bf16, with three
-losses: a user's standard loss (`optax.softmax_cross_entropy_with_integer_labels`
-on ``logits.astype(float32)``), the GPT's loss before `models.lm_loss` (the
+fused kernel in the half modes) in the bench's modes float32,
+mixed_bfloat16 (`jmp_amp.flax.mixed_rules("bfloat16")`) and
+autocast-mixed_bfloat16, with three losses: a user's standard loss
+(`optax.softmax_cross_entropy_with_integer_labels` on
+``logits.astype(float32)``), the GPT's loss before `models.lm_loss` (the
 same on a float32 copy of ``logits[:, :-1]``) and `models.lm_loss` (float32
 log-sum-exp fused into the reduction, gradient returned in the logits'
 dtype). It prints GPU temp memory, its ratio to float32, and the kernels
@@ -46,7 +47,7 @@ from jmp_amp.tools.bench import gpu
 from jmp_amp.tools.bench import workloads
 
 GPT = h100_compiled.GPT
-MODES = ("float32", "bf16", "autocast-bf16")
+MODES = ("float32", "mixed_bfloat16", "autocast-mixed_bfloat16")
 LABEL = gpu_target.label("h100", "default")
 
 
@@ -133,13 +134,13 @@ def main(argv=None):
     rows = rows_for(loss_fn)
     out["losses"][name] = rows
     print(f"\nloss: {name} ({time.time() - t0:.0f} s to compile)")
-    print(f"{'mode':<15}{'temp MiB':>10}{'vs float32':>12}{'kernels':>9}"
+    print(f"{'mode':<25}{'temp MiB':>10}{'vs float32':>12}{'kernels':>9}"
           f"{'f32 logits-sized':>18}")
     for r in rows:
       if r["status"] != "ok":
-        print(f"{r['mode']:<15} failed: {r.get('error')}")
+        print(f"{r['mode']:<25} failed: {r.get('error')}")
         continue
-      print(f"{r['mode']:<15}{r['temp_bytes'] / 2**20:>10,.0f}"
+      print(f"{r['mode']:<25}{r['temp_bytes'] / 2**20:>10,.0f}"
             f"{r['temp_bytes_vs_float32']:>12.3f}{r['kernels']:>9}"
             f"{r['float32_logits_kernels']:>18}")
   if args.out:

@@ -7,11 +7,13 @@
 Two workloads, as users run them, compiled with XLA's default options:
 
 * ``mlp``: the bench's MLP at its compute-bound sizes (width 8192, 3 layers,
-  batch 4096, SGD): float32, bf16, fp16 with dynamic loss scaling, FP8
-  (current scaling with the first and last layer kept bf16, all layers FP8,
-  delayed, rowwise), autocast FP8, bf16 with 16-bit params and state, and bf16
-  with telemetry (``numerics="**"``); torch float32 and autocast rows where
-  torch is installed.
+  batch 4096, SGD) in the modes, named as the bench's: float32,
+  mixed_bfloat16, mixed_float16 (dynamic loss scaling), float8 (current
+  scaling with the first and last layer kept bf16), float8-all (all layers
+  FP8), float8-delayed, float8-rowwise, autocast-float8,
+  mixed_bfloat16-state16 (16-bit params and state) and
+  mixed_bfloat16-telemetry (``numerics="**"``); torch float32 and autocast
+  rows where torch is installed.
 * ``gpt``: `jmp_amp.models.GPT` (d_model 2048, 16 heads, 4 blocks, T 1024,
   batch 8, vocab 32768, adamw; its default fused attention) in the same
   modes (but all-FP8 and autocast), with model FLOP/s as a share of the
@@ -50,17 +52,19 @@ SMALL = {
     "gpt": dict(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
                 max_len=64, batch_size=2),  # gpt_bench's "cpu" size
 }
+# Named as the bench's modes (`jmp-amp bench --policy`): the policy, then
+# what is added to it.
 MODES = {
     "float32": dict(),
-    "bf16": dict(compute="bfloat16"),
-    "fp16": dict(compute="float16", scale="dynamic"),
-    "fp8": dict(fp8="current"),
-    "fp8-all": dict(fp8="current", keep_first_last=False, models=("mlp",)),
-    "fp8-delayed": dict(fp8="delayed"),
-    "fp8-rowwise": dict(fp8="rowwise"),
-    "autocast-fp8": dict(autocast="float8", models=("mlp",)),
-    "bf16-state16": dict(compute="bfloat16", state16=True),
-    "bf16-telemetry": dict(compute="bfloat16", numerics="**"),
+    "mixed_bfloat16": dict(compute="bfloat16"),
+    "mixed_float16": dict(compute="float16", scale="dynamic"),
+    "float8": dict(fp8="current"),
+    "float8-all": dict(fp8="current", keep_first_last=False, models=("mlp",)),
+    "float8-delayed": dict(fp8="delayed"),
+    "float8-rowwise": dict(fp8="rowwise"),
+    "autocast-float8": dict(autocast="float8", models=("mlp",)),
+    "mixed_bfloat16-state16": dict(compute="bfloat16", state16=True),
+    "mixed_bfloat16-telemetry": dict(compute="bfloat16", numerics="**"),
 }
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # gpt_bench.py: the GPT's FLOPs, peaks, torch rows
@@ -182,8 +186,8 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path):
       device_report = audit.matmul_report(compiled)
       on_cpu = jax.default_backend() == "cpu"
       problem = None if on_cpu else timing.fp8_check(
-          "autocast-fp8" if mode.get("autocast") else
-          ("fp8" if mode.get("fp8") else "bf16"), device_report,
+          "autocast-float8" if mode.get("autocast") else
+          ("float8" if mode.get("fp8") else "mixed_bfloat16"), device_report,
           audit.matmul_report(lowered))
       prepared[name] = dict(compiled=compiled, state=state, batches=batches,
                             times=[], flops=flops)
@@ -278,21 +282,26 @@ def summary(rows):
   """The figures the issues set targets for (speed = 1 / ms per step)."""
   compile_s = {(r["workload"], r["mode"]): r.get("compile_s") for r in rows}
   rowwise_compile = None
-  if compile_s.get(("gpt", "fp8-rowwise")) and compile_s.get(("gpt", "bf16")):
-    rowwise_compile = (compile_s[("gpt", "fp8-rowwise")]
-                       / compile_s[("gpt", "bf16")])
+  base = "mixed_bfloat16"  # the ratios' denominator
+  if (compile_s.get(("gpt", "float8-rowwise"))
+      and compile_s.get(("gpt", base))):
+    rowwise_compile = (compile_s[("gpt", "float8-rowwise")]
+                       / compile_s[("gpt", base)])
   return {
-      "mlp fp8-all speed vs bf16": _ratio(rows, "mlp", "fp8-all", "bf16"),
-      "gpt fp8 speed vs bf16": _ratio(rows, "gpt", "fp8", "bf16"),
-      "gpt fp8-rowwise speed vs bf16": _ratio(rows, "gpt", "fp8-rowwise",
-                                              "bf16"),
-      "gpt fp8-rowwise compile s vs bf16": rowwise_compile,
-      "gpt fp16 speed vs bf16": _ratio(rows, "gpt", "fp16", "bf16"),
-      "gpt bf16 share of the dense bf16 peak": next(
+      "mlp float8-all speed vs mixed_bfloat16": _ratio(
+          rows, "mlp", "float8-all", base),
+      "gpt float8 speed vs mixed_bfloat16": _ratio(rows, "gpt", "float8",
+                                                   base),
+      "gpt float8-rowwise speed vs mixed_bfloat16": _ratio(
+          rows, "gpt", "float8-rowwise", base),
+      "gpt float8-rowwise compile s vs mixed_bfloat16": rowwise_compile,
+      "gpt mixed_float16 speed vs mixed_bfloat16": _ratio(
+          rows, "gpt", "mixed_float16", base),
+      "gpt mixed_bfloat16 share of the dense bf16 peak": next(
           (r.get("bf16_peak_share") for r in rows
-           if (r["workload"], r["mode"]) == ("gpt", "bf16")), None),
-      "gpt bf16 speed vs torch.compile": _ratio(rows, "gpt", "bf16",
-                                                "torch-compile-sdpa"),
+           if (r["workload"], r["mode"]) == ("gpt", base)), None),
+      "gpt mixed_bfloat16 speed vs torch.compile": _ratio(
+          rows, "gpt", base, "torch-compile-sdpa"),
       "fp8 modes whose device GEMMs are not all FP8": sorted(
           f"{r['workload']}/{r['mode']}" for r in rows
           if r.get("fp8_problem")),
@@ -379,7 +388,7 @@ def main(argv=None):
   with open(out, "w") as f:
     json.dump(result, f, indent=1, sort_keys=True, default=str)
   for r in rows:
-    print(f"{r['workload']:4} {r['mode']:22} "
+    print(f"{r['workload']:4} {r['mode']:24} "
           + (f"{r['ms_per_step']:9.3f} ms  compile {r.get('compile_s') or 0:6.1f} s"
              if r.get("ms_per_step") else f"FAILED {r.get('error', '')[:80]}")
           + (f"  NOT FP8: {r['fp8_problem']}" if r.get("fp8_problem") else ""))

@@ -7,8 +7,8 @@ compiler's figures are written to benchmarks/results/h100_compiled.json:
 GEMMs by dtype (the share of GEMM FLOPs in a half dtype and in FP8),
 kernels, GPU temp/argument memory, an estimate of bytes moved, and their
 ratios to float32, for every mode of `jmp-amp bench` but float32-highest
-(FP8: ``fp8`` is ``mixed_rules() | {"*": "float8"}``, ``autocast-fp8`` is
-``jmp_amp.autocast(..., "float8")``). Compiler figures, not timings.
+(FP8: ``float8`` is ``mixed_rules() | {"*": "float8"}``, ``autocast-float8``
+is ``jmp_amp.autocast(..., "float8")``). Compiler figures, not timings.
 
 It compiles with XLA's default options, as a GPU does: GEMMs are Triton GEMM
 fusions or cuBLAS calls as XLA picks them, untuned since no GPU autotunes
@@ -42,8 +42,7 @@ from jmp_amp.tools.bench import workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-MODES = ("float32", "bf16", "fp16", "fp16-noscale", "autocast-bf16",
-         "autocast-fp16", "fp8", "autocast-fp8")
+MODES = tuple(m for m in workloads.JAX_MODES if m != "float32-highest")
 RESULTS = os.path.join(HERE, "results")
 GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4,
            max_len=1024, batch_size=16, lr=3e-4, weight_decay=0.1)

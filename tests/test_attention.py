@@ -97,14 +97,15 @@ def _train_losses(mode, attention, steps=4):
 
 
 @pytest.mark.slow  # About 25 s a mode on two CPU cores.
-@pytest.mark.parametrize("mode", ["bf16", "fp16", "fp8", "autocast-bf16",
-                                  "autocast-fp16"])
+@pytest.mark.parametrize("mode", ["mixed_bfloat16", "mixed_float16", "float8",
+                                  "autocast-mixed_bfloat16",
+                                  "autocast-mixed_float16"])
 def test_fused_gpt_trains_like_the_einsum_gpt(mode):
   fused, einsum = _train_losses(mode, "fused"), _train_losses(mode, "einsum")
   ref = _train_losses("float32", "einsum")
   assert np.all(np.isfinite(fused)) and fused[-1] < fused[0] - 0.2
   # Loss about 4.2: bf16/FP8 rounding moves it in the second decimal.
-  tol = 0.02 if mode.endswith("fp16") else 0.05
+  tol = 0.02 if "mixed_float16" in mode else 0.05
   np.testing.assert_allclose(fused, einsum, atol=tol, rtol=0)
   np.testing.assert_allclose(fused, ref, atol=tol, rtol=0)
 
@@ -220,9 +221,9 @@ def _gpt_step_report(mode, **kw):
 
 
 @pytest.mark.parametrize("mode", [
-    "bf16", pytest.param("fp16", marks=pytest.mark.slow),
-    pytest.param("autocast-bf16", marks=pytest.mark.slow),
-    pytest.param("fp8", marks=pytest.mark.slow)])
+    "mixed_bfloat16", pytest.param("mixed_float16", marks=pytest.mark.slow),
+    pytest.param("autocast-mixed_bfloat16", marks=pytest.mark.slow),
+    pytest.param("float8", marks=pytest.mark.slow)])
 def test_h100_gpt_step_runs_cudnn_flash_attention(mode):
   _h100_or_skip()
   report = _gpt_step_report(mode)
@@ -230,7 +231,7 @@ def test_h100_gpt_step_runs_cudnn_flash_attention(mode):
   # Two blocks: one forward and one backward call each.
   assert kinds["__cudnn$fmhaSoftmax"] == 2
   assert kinds["__cudnn$fmhaSoftmaxBackward"] == 2
-  half = "f16" if "fp16" in mode else "bf16"
+  half = "f16" if "mixed_float16" in mode else "bf16"
   assert report.gemms_by_dtype()[f"attention {half} x {half} -> {half}"] == 4
   # The lowered program asked for them too: no GEMM went missing.
   assert len(report.lowered.attention) == 4

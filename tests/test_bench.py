@@ -8,8 +8,10 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
+import jmp_amp
 from jmp_amp.tools import gpu_target
 from jmp_amp.tools.bench import cli
 from jmp_amp.tools.bench import gpu
@@ -75,17 +77,35 @@ def test_every_default_mode_runs_with_stable_schema(tiny_runs):
 def test_half_modes_have_all_dots_in_half_and_fp16_stays_finite(tiny_runs):
   _, runs, _, _ = tiny_runs
   by_mode = {r["mode"]: r for r in runs}
-  for mode, half in (("bf16", "bf16"), ("fp16", "f16"), ("fp16-noscale", "f16")):
+  for mode, half in (("mixed_bfloat16", "bf16"), ("mixed_float16", "f16"),
+                     ("mixed_float16-noscale", "f16")):
     inputs = by_mode[mode]["matmuls"]["input_dtypes"]
     assert inputs == [half], (mode, by_mode[mode]["matmuls"])
   assert by_mode["float32"]["matmuls"]["input_dtypes"] == ["f32"]
-  fp16 = by_mode["fp16"]
+  fp16 = by_mode["mixed_float16"]
   assert fp16["final_loss"] == pytest.approx(fp16["final_loss"])  # not NaN
   assert fp16["loss_scale"] >= 1.0
-  assert by_mode["bf16"]["loss_scale"] is None  # no loss scaling
+  assert by_mode["mixed_bfloat16"]["loss_scale"] is None  # no loss scaling
   # On CPU the compiled memory ratio is recorded for every mode.
-  assert by_mode["bf16"]["compiled_temp_ratio_vs_float32"] is not None
+  assert (by_mode["mixed_bfloat16"]["compiled_temp_ratio_vs_float32"]
+          is not None)
   assert by_mode["float32"]["speedup_vs_float32"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", list(workloads.JAX_MODES))
+def test_a_mode_is_named_after_its_policy(name):
+  # "autocast-" + the policy + "-noscale" (a float16 mode without loss
+  # scaling) or "-highest" (float32 matmul precision): nothing else.
+  mode = workloads.JAX_MODES[name]
+  policy = mode.get("policy") or mode["autocast"]
+  float16 = policy != "float8" and (
+      jmp_amp.get_policy(policy).compute_dtype == jnp.float16)
+  assert mode.get("scale") in (None, "dynamic"), name
+  assert (mode.get("scale") == "dynamic") == (
+      float16 and not name.endswith("-noscale")), name
+  assert name == ("autocast-" if "autocast" in mode else "") + policy + (
+      "-noscale" if float16 and mode.get("scale") is None else "") + (
+          "-" + mode["precision"] if mode.get("precision") else "")
 
 
 def _report(runs, width):
@@ -170,9 +190,11 @@ def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
       "raise ImportError('the user project models.py was imported')\n")
   flags = [f for f in TINY if f != "--no-progress"]
   out = _run_piped(
-      [*flags, "--policy", "float32", "--policy", "bf16", "--repeats", "1"],
-      tmp_path, ("float32: compiled in ", "compiling bf16 (2/2)",
-                 "timing repeat 1/1 of 2 mode(s)", "bf16: median step "),
+      [*flags, "--policy", "float32", "--policy", "mixed_bfloat16",
+       "--repeats", "1"],
+      tmp_path, ("float32: compiled in ", "compiling mixed_bfloat16 (2/2)",
+                 "timing repeat 1/1 of 2 mode(s)",
+                 "mixed_bfloat16: median step "),
       _env(COLUMNS="80"))
   lines = out.splitlines()
   assert "step ms" in out and "Verdict: " in out
@@ -198,18 +220,19 @@ def test_unknown_command_names_itself(capsys):
 def test_cli_dispatches_to_bench(monkeypatch):
   seen = []
   monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 0)
-  assert cli.cli(["bench", "--policy", "bf16"]) == 0
-  assert seen == [["bench", "--policy", "bf16"]]
+  assert cli.cli(["bench", "--policy", "mixed_bfloat16"]) == 0
+  assert seen == [["bench", "--policy", "mixed_bfloat16"]]
 
 
 def test_compare_torch_same_weights_and_batches(tmp_path):
   pytest.importorskip("torch")
   path = tmp_path / "t.jsonl"
-  assert cli.main([*TINY, "--policy", "float32", "--policy", "bf16",
-                     "--compare-torch", "--repeats", "1", "--json",
-                     str(path)]) == 0
+  assert cli.main([*TINY, "--policy", "float32", "--policy", "mixed_bfloat16",
+                   "--compare-torch", "--repeats", "1", "--json",
+                   str(path)]) == 0
   runs = _read(path)
-  assert [r["mode"] for r in runs] == ["float32", "bf16", *workloads.TORCH_MODES]
+  assert [r["mode"] for r in runs] == ["float32", "mixed_bfloat16",
+                                       *workloads.TORCH_MODES]
   assert all(set(r) == RUN_KEYS for r in runs)
   by_mode = {r["mode"]: r for r in runs}
   # Same initial weights, same batches, same SGD: the float32 runs agree.
@@ -227,6 +250,9 @@ def test_compare_torch_same_weights_and_batches(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--policy", "fp4"], "invalid choice: 'fp4'"),
+    # A mode is a policy name: the bf16 mode is mixed_bfloat16 (f32 params).
+    (["--policy", "bf16"], "invalid choice: 'bf16' (choose from 'float32', "
+     "'float32-highest', 'mixed_bfloat16', "),
     (["--width", "0"], "expected a positive integer, got 0"),
     (["--batch-size", "x"], "expected a positive integer, got 'x'"),
     (["--model", "vgg"], "invalid choice: 'vgg'"),
@@ -302,28 +328,30 @@ def test_failing_mode_is_reported_in_full_and_others_still_run(
                 + " END-OF-ERROR")
 
   def flaky(mode, cfg):
-    if mode is workloads.JAX_MODES["bf16"]:
+    if mode is workloads.JAX_MODES["mixed_bfloat16"]:
       raise MemoryError(long_error)
     return original(mode, cfg)
 
   monkeypatch.setitem(workloads.BUILDERS, "mlp", flaky)
   path = tmp_path / "f.jsonl"
-  code = cli.main([*TINY, "--policy", "float32", "--policy", "bf16",
-                     "--policy", "fp16", "--repeats", "1", "--json",
-                     str(path)])
+  code = cli.main([*TINY, "--policy", "float32", "--policy", "mixed_bfloat16",
+                   "--policy", "mixed_float16", "--repeats", "1", "--json",
+                   str(path)])
   runs = _read(path)
   assert code == 1
   assert [r["status"] for r in runs] == ["ok", "failed", "ok"]
   assert runs[1]["error"] == f"MemoryError: {long_error}"
   out = capsys.readouterr().out
   # The whole message is printed (wrapped, never cut).
-  assert f"FAILED bf16: MemoryError: {long_error}" in " ".join(out.split())
-  assert "1 failed (bf16)" in " ".join(out.split())
+  assert (f"FAILED mixed_bfloat16: MemoryError: {long_error}"
+          in " ".join(out.split()))
+  assert "1 failed (mixed_bfloat16)" in " ".join(out.split())
 
 
 @pytest.mark.slow
 def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
-  flags = [*TINY, "--policy", "fp16", "--policy", "float32", "--repeats", "1"]
+  flags = [*TINY, "--policy", "mixed_float16", "--policy", "float32",
+           "--repeats", "1"]
   isolated, in_process, alone = (tmp_path / n for n in ("i", "p", "a"))
   assert cli.main([*flags, "--isolate", "yes", "--json", str(isolated)]) == 0
   assert cli.main([*flags, "--isolate", "no", "--json", str(in_process)]) == 0
@@ -332,7 +360,7 @@ def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   iso, inp, one = _read(isolated), _read(in_process), _read(alone)
   assert [r["isolated"] for r in iso] == [True, True]
   assert [r["final_loss"] for r in iso] == [r["final_loss"] for r in inp]
-  # float32's peak after fp16 ran is float32's alone: nothing inherited.
+  # float32's peak after mixed_float16 ran is float32's own: none inherited.
   assert iso[1]["peak_memory_bytes"] == one[0]["peak_memory_bytes"]
   assert inp[1]["peak_memory_bytes"] == one[0]["peak_memory_bytes"]
   assert iso[0]["peak_memory_bytes"] != iso[1]["peak_memory_bytes"]
@@ -341,7 +369,7 @@ def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
 @pytest.mark.slow
 def test_repeats_train_the_same_steps_each_time(tmp_path):
   one, three = tmp_path / "1", tmp_path / "3"
-  flags = [*TINY, "--policy", "fp16"]
+  flags = [*TINY, "--policy", "mixed_float16"]
   assert cli.main([*flags, "--repeats", "1", "--json", str(one)]) == 0
   assert cli.main([*flags, "--repeats", "3", "--json", str(three)]) == 0
   a, b = _read(one)[0], _read(three)[0]
@@ -355,8 +383,8 @@ def test_repeats_train_the_same_steps_each_time(tmp_path):
 def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   path = tmp_path / "fp8.jsonl"
   assert cli.main(["bench", *TINY, "--policy", "float32", "--policy",
-                     "fp8", "--policy", "autocast-fp8", "--json",
-                     str(path)]) == 0
+                   "float8", "--policy", "autocast-float8", "--json",
+                   str(path)]) == 0
   f32, rules, autocast = _read(path)
   for r in (rules, autocast):
     assert r["status"] == "ok", r.get("error")
@@ -375,7 +403,7 @@ def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   text = _report([f32, rules, autocast], 250)
   assert ("FP8 emulated (E4M3/E5M2-rounded operands): 3 x float8_e4m3fn x "
           "float8_e4m3fn") in " ".join(text.split())
-  assert "FP8 modes (fp8, autocast-fp8) are emulated here" in " ".join(
+  assert "FP8 modes (float8, autocast-float8) are emulated here" in " ".join(
       text.split())
 
 
@@ -415,9 +443,9 @@ def test_reader_closing_the_pipe_ends_quietly(tmp_path):
 
 
 def test_every_step_skipped_is_what_the_verdict_says(tmp_path, capsys):
-  # From float32's largest scale, every fp16 step overflows and is skipped.
+  # From float32's largest scale, every float16 step overflows and is skipped.
   path = tmp_path / "skipped.jsonl"
-  assert cli.main([*TINY, "--policy", "float32", "--policy", "fp16",
+  assert cli.main([*TINY, "--policy", "float32", "--policy", "mixed_float16",
                    "--init-scale", "3e38", "--repeats", "1", "--json",
                    str(path)]) == 0
   _, fp16 = _read(path)
@@ -425,8 +453,8 @@ def test_every_step_skipped_is_what_the_verdict_says(tmp_path, capsys):
   verdict = " ".join(capsys.readouterr().out.split("Verdict: ")[1]
                      .split("Note:")[0].split())
   assert "every mode ended with a finite loss" not in verdict, verdict
-  assert ("fp16 skipped every step (non-finite gradients), so its weights "
-          "never changed") in verdict, verdict
+  assert ("mixed_float16 skipped every step (non-finite gradients), so its "
+          "weights never changed") in verdict, verdict
 
 
 def test_verdict_claims_nothing_when_no_mode_ran():
@@ -440,12 +468,12 @@ def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
   # Pipes for stdout and stderr, as in CI or `| tee`: one line per mode as it
   # starts and ends, on stderr, while the bench runs.
   out = _run_piped(
-      ["--model", "gpt", "--policy", "float32", "--policy", "bf16",
+      ["--model", "gpt", "--policy", "float32", "--policy", "mixed_bfloat16",
        "--batch-size", "2", "--batches", "1", "--epochs", "2", "--warmup",
        "1", "--repeats", "1"], tmp_path,
-      ("float32: compiled in ", "compiling bf16 (2/2)", "bf16: compiled in ",
-       "timing repeat 1/1 of 2 mode(s)", "float32: median step ",
-       "bf16: median step "), _env())
+      ("float32: compiled in ", "compiling mixed_bfloat16 (2/2)",
+       "mixed_bfloat16: compiled in ", "timing repeat 1/1 of 2 mode(s)",
+       "float32: median step ", "mixed_bfloat16: median step "), _env())
   assert "Verdict: " in out
 
 
@@ -455,21 +483,23 @@ def _h100_rows():
   fixtures = ROOT / "tests" / "fixtures"
   recorded = json.loads((fixtures / "h100_fixtures.json").read_text())
   rows = []
-  for mode, name in (("float32", "f32_scan"), ("bf16", "bf16_mlp_grad"),
-                     ("fp16", "fp16_dots")):
+  for mode, name in (("float32", "f32_scan"),
+                     ("mixed_bfloat16", "bf16_mlp_grad"),
+                     ("mixed_float16", "fp16_dots")):
     memory = {k: recorded[name][k] for k in ("temp_bytes", "argument_bytes",
                                              "output_bytes", "alias_bytes")}
     report = gpu_target.report_from_hlo(
         (fixtures / f"h100_{name}.hlo.txt").read_text(), memory)
     rows.append(gpu.row_from_report(mode, report))
-  rows.append(dict(rows[1], mode="fp8", half_gemm_flops=5 / 8,
+  rows.append(dict(rows[1], mode="float8", half_gemm_flops=5 / 8,
                    fp8_gemm_flops=3 / 8, gemms_by_dtype={
                        "bf16 x bf16 -> bf16": 5,
                        "float8_e4m3fn x float8_e4m3fn -> bf16": 1,
                        "float8_e5m2 x float8_e4m3fn -> bf16": 1,
                        "float8_e4m3fn x float8_e5m2 -> bf16": 1}))
-  rows.append(dict(rows[1], mode="autocast-bf16", half_gemm_flops=0.5))
-  rows.append(dict(mode="autocast-fp16", status="failed",
+  rows.append(dict(rows[1], mode="autocast-mixed_bfloat16",
+                   half_gemm_flops=0.5))
+  rows.append(dict(mode="autocast-mixed_float16", status="failed",
                    error="RuntimeError: simulated"))
   gpu.add_ratios(rows)
   return rows
@@ -484,23 +514,24 @@ def test_target_table_fits_the_width_with_legend_and_verdict():
   assert "temp ratio" in header, narrow
   for r in rows:
     assert any(line.startswith(r["mode"] + " ") for line in lines), r["mode"]
-  failed_row = next(line for line in lines if line.startswith("autocast-fp16"))
+  failed_row = next(line for line in lines
+                    if line.startswith("autocast-mixed_float16"))
   assert failed_row.split()[1] == "FAILED", narrow
   flat = " ".join(narrow.split())
   assert gpu.LEGEND in flat
   assert "GEMMs by dtype (count x operand dtypes -> result dtype):" in narrow
-  assert ("fp8: 5 x bf16 x bf16 -> bf16, 1 x float8_e4m3fn x float8_e4m3fn "
-          "-> bf16") in flat
+  assert ("float8: 5 x bf16 x bf16 -> bf16, 1 x float8_e4m3fn x "
+          "float8_e4m3fn -> bf16") in flat
   verdicts = [line for line in lines if line.startswith("Verdict: ")]
   assert len(verdicts) == 1, narrow
   verdict = " ".join(narrow.split("Verdict: ")[1].split("FAILED")[0].split())
   assert "moves the fewest bytes" in verdict, verdict
-  assert ("every GEMM in half precision or FP8 in bf16, fp16, fp8"
-          in verdict), verdict
-  assert ("float32 GEMMs left in autocast-bf16 (50% of GEMM FLOPs half or "
-          "FP8)") in verdict, verdict
-  assert "1 failed (autocast-fp16)" in verdict, verdict
-  assert "FAILED autocast-fp16: RuntimeError: simulated" in narrow
+  assert ("every GEMM in half precision or FP8 in mixed_bfloat16, "
+          "mixed_float16, float8" in verdict), verdict
+  assert ("float32 GEMMs left in autocast-mixed_bfloat16 (50% of GEMM FLOPs "
+          "half or FP8)") in verdict, verdict
+  assert "1 failed (autocast-mixed_float16)" in verdict, verdict
+  assert "FAILED autocast-mixed_float16: RuntimeError: simulated" in narrow
   wide = gpu.format_report(rows, "title", 400)
   assert "GEMMs by dtype" in next(line for line in wide.splitlines()
                                   if line.startswith("mode "))
@@ -516,7 +547,7 @@ def _timed(mode, speedup, spread):
 def test_verdict_names_no_winner_within_the_spread():
   # (#35) "fastest JAX mode float32-highest at 1.02x" with a 3 % spread.
   runs = [_timed("float32", 1.0, 0.01), _timed("float32-highest", 1.02, 0.03),
-          _timed("bf16", 0.9, 0.01)]
+          _timed("mixed_bfloat16", 0.9, 0.01)]
   text = table.verdict(runs)
   assert "fastest JAX mode" not in text, text
   assert text.startswith(
@@ -525,10 +556,11 @@ def test_verdict_names_no_winner_within_the_spread():
 
 
 def test_verdict_names_a_winner_beyond_the_spread_and_its_ties():
-  runs = [_timed("float32", 1.0, 0.01), _timed("bf16", 1.5, 0.02),
-          _timed("fp16", 1.48, 0.01), _timed("fp8", 1.2, 0.01)]
+  runs = [_timed("float32", 1.0, 0.01), _timed("mixed_bfloat16", 1.5, 0.02),
+          _timed("mixed_float16", 1.48, 0.01), _timed("float8", 1.2, 0.01)]
   assert table.verdict(runs).startswith(
-      "Verdict: fastest JAX mode bf16 at 1.50x float32's speed (spread ±2%; "
-      "fp16 within the spread);")
-  alone = table.verdict([_timed("float32", 1.0, 0.0), _timed("bf16", 0.5, 0)])
+      "Verdict: fastest JAX mode mixed_bfloat16 at 1.50x float32's speed "
+      "(spread ±2%; mixed_float16 within the spread);")
+  alone = table.verdict([_timed("float32", 1.0, 0.0),
+                         _timed("mixed_bfloat16", 0.5, 0)])
   assert alone.startswith("Verdict: no JAX mode is faster than float32;")

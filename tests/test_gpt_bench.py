@@ -44,8 +44,8 @@ def test_bad_size_and_mode_name_the_choices():
 
 
 def test_cpu_step_trains_and_times():
-  row = gpt_bench.time_jax("bf16", "cpu", steps=2, warmup=1)
-  assert row["name"] == "jax bf16" and row["ms_per_step"] > 0
+  row = gpt_bench.time_jax("mixed_bfloat16", "cpu", steps=2, warmup=1)
+  assert row["name"] == "jax mixed_bfloat16" and row["ms_per_step"] > 0
   # Fresh weights: about log(vocab) on random tokens.
   assert abs(row["loss"] - math.log(256)) < 0.3
   assert row["model_flops_per_step"] == gpt_bench.model_flops_per_step("cpu")

@@ -26,37 +26,41 @@ def _run(tmp_path, *argv):
 
 def test_small_mlp_modes_are_compiled_timed_and_audited(tmp_path):
   code, result = _run(tmp_path, "--workloads", "mlp", "--modes", "float32",
-                      "bf16", "fp8-all")
+                      "mixed_bfloat16", "float8-all")
   assert code == 0, result
   assert result["small"] and result["compiler_options"] == "XLA defaults"
   rows = {r["mode"]: r for r in result["rows"] if r["workload"] == "mlp"}
-  assert sorted(rows) == ["bf16", "float32", "fp8-all"]
+  assert sorted(rows) == ["float32", "float8-all", "mixed_bfloat16"]
   for name, row in rows.items():
     assert row["ms_per_step"] > 0 and row["compile_s"] > 0, row
     assert len(row["repeat_ms"]) == 2 and row["memory_bytes"] > 0, row
     assert row["gemm_stage"] == "compiled" and row["gemms"], row
     assert row["fp8_problem"] is None  # not judged on a CPU
-  ratio = rows["bf16"]["ms_per_step"] / rows["fp8-all"]["ms_per_step"]
-  assert result["summary"]["mlp fp8-all speed vs bf16"] == pytest.approx(
-      ratio)
+  ratio = (rows["mixed_bfloat16"]["ms_per_step"]
+           / rows["float8-all"]["ms_per_step"])
+  assert result["summary"]["mlp float8-all speed vs mixed_bfloat16"] == (
+      pytest.approx(ratio))
   # The losses of the three modes are close: one MLP, the same batches.
   losses = [r["final_loss"] for r in rows.values()]
   assert max(losses) - min(losses) < 0.05 * max(losses), losses
 
 
 def test_summary_ratios_and_fp8_failures():
-  rows = [dict(workload="gpt", mode="bf16", ms_per_step=30.0, compile_s=10.0),
-          dict(workload="gpt", mode="fp8", ms_per_step=25.0, compile_s=12.0,
+  rows = [dict(workload="gpt", mode="mixed_bfloat16", ms_per_step=30.0,
+               compile_s=10.0),
+          dict(workload="gpt", mode="float8", ms_per_step=25.0, compile_s=12.0,
                fp8_problem="attn: 1 of 3 ops not FP8"),
-          dict(workload="gpt", mode="fp8-rowwise", ms_per_step=30.0,
+          dict(workload="gpt", mode="float8-rowwise", ms_per_step=30.0,
                compile_s=20.0),
-          dict(workload="mlp", mode="bf16", error="RuntimeError: x")]
+          dict(workload="mlp", mode="mixed_bfloat16", error="RuntimeError: x")]
   got = _gpu_check().summary(rows)
-  assert got["gpt fp8 speed vs bf16"] == pytest.approx(1.2)
-  assert got["gpt fp8-rowwise speed vs bf16"] == pytest.approx(1.0)
-  assert got["gpt fp8-rowwise compile s vs bf16"] == pytest.approx(2.0)
-  assert got["mlp fp8-all speed vs bf16"] is None  # never ran
-  assert got["fp8 modes whose device GEMMs are not all FP8"] == ["gpt/fp8"]
+  assert got["gpt float8 speed vs mixed_bfloat16"] == pytest.approx(1.2)
+  assert got["gpt float8-rowwise speed vs mixed_bfloat16"] == pytest.approx(
+      1.0)
+  assert got["gpt float8-rowwise compile s vs mixed_bfloat16"] == (
+      pytest.approx(2.0))
+  assert got["mlp float8-all speed vs mixed_bfloat16"] is None  # never ran
+  assert got["fp8 modes whose device GEMMs are not all FP8"] == ["gpt/float8"]
 
 
 @pytest.mark.slow

@@ -179,20 +179,20 @@ def _bench_h100(tmp_path, capsys, *policies):
 
 def test_bench_target_h100_table_and_json(tmp_path, capsys):
   _target_or_skip()
-  text, rows = _bench_h100(tmp_path, capsys, "float32", "bf16")
+  text, rows = _bench_h100(tmp_path, capsys, "float32", "mixed_bfloat16")
   assert LABEL in text and "8 x f32 x f32 -> f32" in text
-  assert [r["mode"] for r in rows] == ["float32", "bf16"]
-  f32, bf16 = rows
+  assert [r["mode"] for r in rows] == ["float32", "mixed_bfloat16"]
+  f32, mixed = rows
   assert f32["label"] == LABEL and f32["temp_bytes_vs_float32"] == 1.0
   assert f32["gemms_by_dtype"] == {"f32 x f32 -> f32": 8}
-  assert bf16["half_gemm_flops"] == 1.0 and bf16["gemms"] == 8
-  assert bf16["argument_bytes"] == f32["argument_bytes"]  # f32 master params
+  assert mixed["half_gemm_flops"] == 1.0 and mixed["gemms"] == 8
+  assert mixed["argument_bytes"] == f32["argument_bytes"]  # f32 master params
 
 
 def test_bench_target_h100_fp8_modes_count_the_f8_gemms(tmp_path, capsys):
   _target_or_skip()
-  text, (rules, autocast) = _bench_h100(tmp_path, capsys, "fp8",
-                                       "autocast-fp8")
+  text, (rules, autocast) = _bench_h100(tmp_path, capsys, "float8",
+                                       "autocast-float8")
   assert "FP8 FLOPs" in text
   assert "1 x float8_e4m3fn x float8_e4m3fn -> " in text
   # "float8" rules keep the first and last of the 3 layers in bf16: the middle
@@ -202,7 +202,7 @@ def test_bench_target_h100_fp8_modes_count_the_f8_gemms(tmp_path, capsys):
   assert rules["fp8_gemm_flops"] == pytest.approx(3 / 8)
   # The audit per FP8 layer: layers/1 compiled to FP8 GEMMs only.
   assert rules["fp8_layers"] == 1 and rules["fp8_fallbacks"] == {}
-  assert "fp8: every FP8 layer (1) runs FP8 GEMMs" in text
+  assert "float8: every FP8 layer (1) runs FP8 GEMMs" in text
   assert "fp8_layers" not in autocast  # no FP8 layers: ops, not modules
   # autocast float8 takes every float32 matmul (the first layer's input
   # gradient is not computed).
@@ -225,16 +225,17 @@ def test_fp8_check_fails_a_mode_whose_layers_compiled_to_bf16_gemms():
   w = jax.ShapeDtypeStruct((64, 64), jax.numpy.float32)
   x = jax.ShapeDtypeStruct((32, 64), jax.numpy.float32)
   report = jmp_amp.gpu_report(_fp8_and_bf16_layers, x, w, w)
-  assert timing.fp8_check("fp8", report.matmuls, report.lowered) == (
+  assert timing.fp8_check("float8", report.matmuls, report.lowered) == (
       "other: 1 of 1 ops not FP8 (1 x bf16 x bf16 -> bf16)")
-  assert timing.fp8_check("autocast-fp8", report.matmuls,
+  assert timing.fp8_check("autocast-float8", report.matmuls,
                           report.lowered).startswith(
                               "not every GEMM is FP8: 1 x bf16 x bf16 -> bf16")
-  assert timing.fp8_check("bf16", report.matmuls, report.lowered) is None
+  assert timing.fp8_check("mixed_bfloat16", report.matmuls,
+                          report.lowered) is None
   only_fp8 = jmp_amp.gpu_report(
       lambda x, w: jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ()))),
       x, w)
-  assert timing.fp8_check("autocast-fp8", only_fp8.matmuls,
+  assert timing.fp8_check("autocast-float8", only_fp8.matmuls,
                           only_fp8.lowered) is None
 
 
@@ -251,6 +252,7 @@ def test_gpu_report_refuses_a_program_built_for_the_cpu():
 
 def test_bench_target_cublas_is_labelled(tmp_path, capsys):
   _target_or_skip()
-  text, (row,) = _bench_h100(tmp_path, capsys, "bf16", "--gemm", "cublas")
+  text, (row,) = _bench_h100(tmp_path, capsys, "mixed_bfloat16", "--gemm",
+                             "cublas")
   assert CUBLAS_LABEL in text and row["label"] == CUBLAS_LABEL
   assert row["gemms_by_dtype"] == {"bf16 x bf16 -> bf16": 8}

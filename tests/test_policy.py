@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import jmp_amp
+from jmp_amp._src import dtypes
+from jmp_amp._src import policy as policy_lib
 
 FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 # Without jax_enable_x64, jax arrays cannot hold float64.
@@ -47,11 +49,10 @@ def test_policy_is_frozen_hashable_and_static_for_jit():
     ("c=f16", ("f32", "f16", "f16")),
     ("p=f16,c=bf16", ("f16", "bf16", "bf16")),
     (" P = f32 , C = Half ", ("f32", "f16", "f16")),
-    # `jmp-amp bench` mode names: fp16 is the bench's mixed recipe; bf16 keeps
-    # jmp's meaning (a dtype name alone sets all three).
-    ("fp16", ("f32", "f16", "f16")),
-    ("FP16", ("f32", "f16", "f16")),
+    # jmp_amp's own dtype names: alone, that dtype for all three, as jmp's.
     ("fp32", ("f32", "f32", "f32")),
+    ("Single", ("f32", "f32", "f32")),
+    ("double", ("f64", "f64", "f64")),
     ("c=fp16,o=fp32", ("f32", "f16", "f32")),
 ])
 def test_get_policy_grammar(name, expected):
@@ -239,14 +240,69 @@ def test_import_jmp_amp_is_light():
   assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_error_text_gives_fp16_one_meaning():
-  # 'fp16' alone is the bench's mixed recipe; the error text must not also
-  # list it among the dtype names that mean "all three in that dtype".
+def _jmp_strings(jmp_policy) -> list[str]:
+  """Strings jmp 0.0.4's get_policy accepts: each of its dtype names alone,
+  and as each part, with every spelling of the keys."""
+  names = list(jmp_policy.name_to_dtype) + ["half"]
+  strings = list(names)
+  for name in names:
+    strings += [f"c={name}", f"p={name}", f"o={name}", f"p=f32,c={name}",
+                f"params={name},compute=bf16,output=full",
+                f"compute={name},output=f32", f"p={name},c=half,o={name}"]
+  return strings
+
+
+def test_every_string_jmp_accepts_means_what_it_means_in_jmp():
+  jmp_policy = pytest.importorskip("jmp._src.policy")
+  strings = _jmp_strings(jmp_policy)
+  assert len(strings) == 80  # 10 names (9 and "half"), 8 forms each
+  for text in strings:
+    theirs, ours = jmp_policy.get_policy(text), jmp_amp.get_policy(text)
+    assert [np.dtype(getattr(ours, f)) for f in _FIELDS] == [
+        np.dtype(getattr(theirs, f)) for f in _FIELDS], text
+
+
+_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
+
+
+@pytest.mark.parametrize("name", ["fp16", " FP16 "])
+def test_fp16_alone_is_refused_naming_both_policies_it_could_mean(name):
+  # accelerate's "fp16" is mixed precision; by jmp's rule a dtype name alone
+  # is all three in that dtype. Neither is chosen silently.
+  with pytest.raises(ValueError) as err:
+    jmp_amp.get_policy(name)
+  assert str(err.value) == (
+      f"{name.strip()!r} alone is not a policy name: for mixed precision "
+      "(float32 params, accelerate's 'fp16') write 'mixed_float16', for "
+      "float16 everywhere 'float16'; as a part ('c=fp16') it is the float16 "
+      "dtype.")
+  assert str(jmp_amp.get_policy("c=fp16")) == "p=f32,c=f16,o=f16"
+
+
+def test_every_dtype_name_alone_means_that_dtype_everywhere_or_is_refused():
+  # One meaning per name: a dtype name alone is the policy of that dtype for
+  # all three (as in jmp), unless it is refused; no name is in two rows.
+  table = policy_lib.POLICY_NAMES
+  names = [n for row in table for n in row]
+  assert len(names) == len(set(names)), names
+  for name in dtypes.ACCEPTED_DTYPE_NAMES:
+    if name in policy_lib.NOT_POLICY_NAMES:
+      assert name not in names
+      continue
+    assert jmp_amp.get_policy(name) == jmp_amp.get_policy(
+        f"p={name},c={name},o={name}"), name
+  for row, parts in table.items():
+    for name in row:
+      assert jmp_amp.get_policy(name) == jmp_amp.get_policy(
+          "p={},c={},o={}".format(*parts)), name
+  assert set(names) - set(dtypes.ACCEPTED_DTYPE_NAMES) == {
+      "mixed_bfloat16", "mixed_float16"}
+
+
+def test_unknown_name_lists_the_policy_names_and_the_dtypes():
   with pytest.raises(ValueError) as err:
     jmp_amp.get_policy("no_such_policy")
   text = str(err.value)
-  assert text.count("'fp16'") == 1 and "= mixed_float16" in text
-  dtype_names = text.split("a dtype name for all three (")[1].split(")")[0]
-  assert "fp16" not in dtype_names.split(", ")
-  assert str(jmp_amp.get_policy("fp16")) == "p=f32,c=f16,o=f16"
-  assert str(jmp_amp.get_policy("c=fp16")) == "p=f32,c=f16,o=f16"
+  names = text.split("a policy name (")[1].split(")")[0].split(", ")
+  assert names == [n for row in policy_lib.POLICY_NAMES for n in row]
+  assert "fp16" not in names and "fp16" in text.split("the dtypes ")[1]

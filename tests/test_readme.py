@@ -13,6 +13,8 @@ import re
 import pytest
 
 import jmp_amp
+from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src import policy as policy_lib
 from jmp_amp.tools.bench import workloads
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -96,65 +98,67 @@ def test_task_table_lists_the_one_api_per_task():
 
 
 # --------------------------------------------------------------------------
-# The policy-name table.
+# The policy-name table: README.md and docs/policies-and-flax.md show the
+# code's table (`POLICY_NAMES`), the FP8 names and the bench's modes.
+
+TABLE_PAGES = ("README.md", "docs/policies-and-flax.md")
+_TABLE_HEADER = "| name | params | compute | output | `jmp-amp bench` mode |"
+_FP8_CELLS = ("f32", "FP8 matmuls, bf16 elsewhere", "bf16")
 
 
-def policy_table() -> list[tuple[list[str], tuple[str, str, str], str]]:
-  """(names, (params, compute, output), bench-mode cell) of each row."""
-  rows = [r for r in section("Policy names").splitlines()
-          if r.startswith("| `")]
-  table = []
-  for row in rows:
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    table.append((re.findall(r"`([^`]+)`", cells[0]), tuple(cells[1:4]),
-                  cells[4]))
-  return table
+def _bench_modes_by_policy() -> dict[str, list[str]]:
+  modes: dict[str, list[str]] = {}
+  for mode, spec in workloads.JAX_MODES.items():
+    modes.setdefault(spec.get("policy") or spec["autocast"], []).append(mode)
+  return modes
 
 
-def _dtypes(policy) -> tuple[str, str, str]:
-  return tuple(str(policy).replace("p=", "").replace("c=", "").replace(
-      "o=", "").split(","))
+def rendered_policy_table() -> list[str]:
+  """The table as the code has it: a row per row of `POLICY_NAMES`, then the
+  FP8 names, each with the bench modes that train with that policy."""
+  modes = _bench_modes_by_policy()
+  lines = [_TABLE_HEADER, "| --- | --- | --- | --- | --- |"]
+  for names, cells in [*policy_lib.POLICY_NAMES.items(),
+                       (fp8_lib.FP8_NAMES, _FP8_CELLS)]:
+    bench = [m for n in names for m in modes.get(n, [])]
+    lines.append(("| " + " | ".join([
+        ", ".join(f"`{n}`" for n in names), *cells,
+        ", ".join(f"`{m}`" for m in bench)])).rstrip() + " |")
+  return lines
 
 
-def test_policy_table_matches_get_policy():
-  table = policy_table()
-  assert len(table) >= 9
-  for names, dtypes, _ in table:
-    for name in names:
-      if name == "float8":
-        continue
-      expected = dtypes
-      if name == "half":  # jmp's half: bf16 on a TPU, f16 elsewhere.
-        half = {"float16": "f16", "bfloat16": "bf16"}[
-            jmp_amp.half_dtype().dtype.name]
-        expected = (half,) * 3
-      assert _dtypes(jmp_amp.get_policy(name)) == expected, name
+def shown_policy_table(page: str) -> list[str]:
+  lines = (ROOT / page).read_text().splitlines()
+  start = lines.index(_TABLE_HEADER)
+  end = next(i for i in range(start, len(lines))
+             if not lines[i].startswith("|"))
+  return lines[start:end]
 
 
-def test_policy_table_names_every_bench_mode_with_its_policy():
-  seen = {}
-  for names, dtypes, cell in policy_table():
-    for mode, scaled in re.findall(
-        r"`([\w-]+)`( \+ dynamic loss scaling)?", cell):
-      seen[mode] = (names[0], dtypes, bool(scaled))
-  assert set(seen) == set(workloads.JAX_MODES), (
-      set(workloads.JAX_MODES) ^ set(seen))
-  for mode, (name, dtypes, scaled) in seen.items():
-    spec = workloads.JAX_MODES[mode]
-    runs = spec.get("policy") or spec.get("autocast")
-    assert (spec.get("scale") == "dynamic") == scaled, mode
-    if name == "float8":
-      assert runs == "float8", mode
-    else:
-      assert _dtypes(jmp_amp.get_policy(runs)) == dtypes, mode
+@pytest.mark.parametrize("page", TABLE_PAGES)
+def test_the_docs_show_the_codes_policy_table(page):
+  assert shown_policy_table(page) == rendered_policy_table()
+
+
+def test_every_bench_mode_trains_with_a_policy_of_the_table():
+  names = {n for row in policy_lib.POLICY_NAMES for n in row}
+  names.update(fp8_lib.FP8_NAMES)
+  assert set(_bench_modes_by_policy()) <= names
 
 
 def test_float8_row_names_what_rules_and_autocast_accept():
   flax_nnx = pytest.importorskip("flax.nnx")
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax  # pylint: disable=g-import-not-at-top
   from jmp_amp.models import MLP  # pylint: disable=g-import-not-at-top
-  (names, _, _), = [row for row in policy_table() if "float8" in row[0]]
+  (row,) = [r for r in shown_policy_table("README.md") if "`float8`" in r]
+  names = re.findall(r"`([^`]+)`", row.split("|")[1])
+  assert names == list(fp8_lib.FP8_NAMES)
   for name in names:
     model = MLP(8, 2, num_layers=3, width=8, rngs=flax_nnx.Rngs(0))
     jmp_amp.flax.set_policies(model, {"*": name})
     assert str(jmp_amp.flax.get_policies(model)["layers/1"]) == "float8"
+    f = jmp_amp.autocast(lambda w, x: x @ w, name)
+    report = jmp_amp.matmul_report(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    assert [s.split(" -> ")[0] for s in report.counts_by_signature()] == [
+        "float8_e4m3fn x float8_e4m3fn"], name

@@ -84,35 +84,42 @@ class Policy:
         dtypes.dtype_name(self.output_dtype))
 
 
-# Keras mixed-precision policy names. As in Keras, layer outputs are in the
-# compute dtype; pin a final layer to "float32" to get float32 outputs.
-_KERAS_POLICIES = {
-    "mixed_float16": ("f32", "f16", "f16"),
-    "mixed_bfloat16": ("f32", "bf16", "bf16"),
+# The one policy-name table: every name that is a whole policy, and its
+# (params, compute, output) dtypes. A dtype name alone is that dtype for all
+# three, as in jmp ("bf16" is all bfloat16); Keras's names are the mixed
+# recipes, float32 master weights and outputs in the compute dtype (pin a
+# final layer to "float32" for float32 outputs). README.md and
+# docs/policies-and-flax.md show this table; the tests check that they do.
+POLICY_NAMES: dict[tuple[str, ...], tuple[str, str, str]] = {
+    ("float32", "f32", "fp32", "full", "single"): ("f32", "f32", "f32"),
+    ("mixed_bfloat16",): ("f32", "bf16", "bf16"),
+    ("mixed_float16",): ("f32", "f16", "f16"),
+    ("bfloat16", "bf16"): ("bf16", "bf16", "bf16"),
+    ("float16", "f16"): ("f16", "f16", "f16"),
+    ("half",): ("half", "half", "half"),
+    ("float64", "f64", "fp64", "double"): ("f64", "f64", "f64"),
 }
-# Mode names of `jmp-amp bench` that are not jmp dtype names. As a whole
-# policy, "fp16" is the bench's (and accelerate's) mixed float16 recipe; as a
-# part ("c=fp16") it is the dtype. "bf16" keeps jmp's meaning: all bfloat16.
-_MODE_POLICIES = {
-    "fp16": _KERAS_POLICIES["mixed_float16"],
+# Dtype names that are no policy alone. As a whole policy "fp16" is mixed
+# precision in torch's tools (accelerate, Lightning) but would be all float16
+# by the rule above: either meaning would surprise half its users silently.
+NOT_POLICY_NAMES = {
+    "fp16": ("for mixed precision (float32 params, accelerate's 'fp16') "
+             "write 'mixed_float16', for float16 everywhere 'float16'; as a "
+             "part ('c=fp16') it is the float16 dtype."),
 }
+_BY_NAME = {name: parts for names, parts in POLICY_NAMES.items()
+            for name in names}
 _KEYS = {"p": "p", "params": "p", "param": "p",
          "c": "c", "compute": "c",
          "o": "o", "output": "o"}
 
-_GRAMMAR_HELP = (
-    "Accepted: a dtype name for all three ({names}); a Keras policy name "
-    "({keras}); 'fp16' (= mixed_float16, as in `jmp-amp bench`; as a part, "
-    "'c=fp16', it is the dtype); or comma-separated key=dtype parts with keys "
-    "params/p, compute/c, output/o, e.g. 'params=float32,compute=bfloat16,"
-    "output=float32' or 'p=f32,c=bf16,o=f32'.")
-
 
 def _grammar_help() -> str:
-  # "fp16" alone is a mode (listed once, below), not a dtype for all three.
-  names = [n for n in dtypes.ACCEPTED_DTYPE_NAMES if n not in _MODE_POLICIES]
-  return _GRAMMAR_HELP.format(names=", ".join(names),
-                              keras=", ".join(_KERAS_POLICIES))
+  return ("Accepted: a policy name (" + ", ".join(_BY_NAME) + ") or "
+          "comma-separated key=dtype parts with keys params/p, compute/c, "
+          "output/o and the dtypes " + ", ".join(dtypes.ACCEPTED_DTYPE_NAMES)
+          + ", e.g. 'params=float32,compute=bfloat16,output=float32' or "
+          "'p=f32,c=bf16,o=f32'.")
 
 
 def _parse_part_dtype(value: str, policy_name: str) -> np.dtype:
@@ -125,27 +132,28 @@ def _parse_part_dtype(value: str, policy_name: str) -> np.dtype:
 
 
 def get_policy(policy_name: Union[str, Policy]) -> Policy:
-  """Parses a policy string (jmp's grammar or a Keras policy name).
+  """Parses a policy name or jmp's key=dtype grammar.
 
-  Unspecified parts default as in jmp: params to float32, compute to params,
-  output to compute ("c=bf16" is "p=f32,c=bf16,o=bf16").
-
-  A dtype name alone means that dtype for all three, as in jmp: "bf16" is
-  "p=bf16,c=bf16,o=bf16". The exception is "fp16", the name of `jmp-amp
-  bench`'s mode, which is the mixed recipe "mixed_float16"
-  ("p=f32,c=f16,o=f16"); the bench's "bf16" mode is "mixed_bfloat16".
+  A name is one of `POLICY_NAMES` (README.md's policy-name table): a dtype
+  name alone is that dtype for all three, as in jmp ("bf16" is
+  "p=bf16,c=bf16,o=bf16"); Keras's "mixed_bfloat16" and "mixed_float16" are
+  float32 params with bfloat16 or float16 compute and outputs. "fp16" alone
+  is refused (say "mixed_float16" or "float16"). In key=dtype parts, left-out
+  parts default as in jmp: params to float32, compute to params, output to
+  compute ("c=bf16" is "p=f32,c=bf16,o=bf16").
 
   Example:
     >>> import jmp_amp
     >>> str(jmp_amp.get_policy("c=bf16,o=f32"))
     'p=f32,c=bf16,o=f32'
-    >>> str(jmp_amp.get_policy("fp16")), str(jmp_amp.get_policy("bf16"))
-    ('p=f32,c=f16,o=f16', 'p=bf16,c=bf16,o=bf16')
+    >>> str(jmp_amp.get_policy("mixed_float16"))
+    'p=f32,c=f16,o=f16'
+    >>> str(jmp_amp.get_policy("bf16"))
+    'p=bf16,c=bf16,o=bf16'
 
   Args:
     policy_name: e.g. "p=f32,c=bf16,o=f32", "params=float32,compute=float16",
-      "bf16", "half", "full", "mixed_bfloat16", "fp16". A `Policy` is returned
-      as is.
+      "bf16", "half", "full", "mixed_bfloat16". A `Policy` is returned as is.
 
   Returns:
     The `Policy`.
@@ -161,17 +169,15 @@ def get_policy(policy_name: Union[str, Policy]) -> Policy:
         f"policy must be a Policy or a str, got {type(policy_name).__name__}: "
         f"{policy_name!r}")
   name = policy_name.strip()
-  named = _KERAS_POLICIES.get(name.lower()) or _MODE_POLICIES.get(name.lower())
-  if named is not None:
-    return Policy(*(dtypes.parse_dtype(n) for n in named))
   if "=" not in name:
-    try:
-      dt = dtypes.parse_dtype(name)
-    except ValueError:
-      raise ValueError(
-          f"Unknown dtype {name!r} in policy {policy_name!r}. "
-          + _grammar_help()) from None
-    return Policy(dt, dt, dt)
+    if name.lower() in NOT_POLICY_NAMES:
+      raise ValueError(f"{name!r} alone is not a policy name: "
+                       + NOT_POLICY_NAMES[name.lower()])
+    parts = _BY_NAME.get(name.lower())
+    if parts is None:
+      raise ValueError(f"Unknown dtype {name!r} in policy {policy_name!r}. "
+                       + _grammar_help())
+    return Policy(*(dtypes.parse_dtype(part) for part in parts))
 
   parsed: dict[str, np.dtype] = {}
   for part in name.split(","):

@@ -7,7 +7,8 @@ modes in one process, and optionally the PyTorch modes on the same device::
 
     jmp-amp bench                              # small CPU-sized default
     jmp-amp bench --recipe seed --compare-torch --json out.jsonl --plot out.png
-    python -m jmp_amp.tools.bench --model resnet --policy bf16 --policy fp16
+    python -m jmp_amp.tools.bench --model resnet --policy mixed_bfloat16 \
+        --policy mixed_float16
 
 For every mode it reports the median step time after warm-up over
 ``--repeats`` interleaved repeats with their spread, samples/s, peak memory,

@@ -90,11 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=list(workloads.JAX_MODES), metavar="MODE",
                       help="precision mode, repeatable; one of "
                       f"{', '.join(workloads.JAX_MODES)} (default: "
-                      f"{', '.join(workloads.DEFAULT_MODES)}). A mode is a "
-                      "recipe, not a policy string: bf16 is mixed_bfloat16 "
-                      "(float32 params), fp16 is mixed_float16 with dynamic "
-                      "loss scaling, autocast-* run jmp_amp.autocast; see "
-                      "the policy-name table in README.md")
+                      f"{', '.join(workloads.DEFAULT_MODES)}). A mode is named "
+                      "after its policy (jmp_amp.get_policy): float16 modes "
+                      "scale the loss dynamically unless -noscale, "
+                      "autocast-* run jmp_amp.autocast; see the policy-name "
+                      "table in README.md")
   parser.add_argument("--lr", type=_positive_float, default=0.1)
   parser.add_argument("--init-scale", type=_loss_scale_arg, default=2.0**15,
                       help="initial dynamic loss scale (default 2**15)")

@@ -29,7 +29,8 @@ from jmp_amp.tools.bench import table as table_lib
 from jmp_amp.tools.bench import timing
 from jmp_amp.tools.bench import workloads
 
-DEFAULT_MODES = ("float32", "bf16", "fp16", "autocast-bf16", "autocast-fp16")
+DEFAULT_MODES = ("float32", "mixed_bfloat16", "mixed_float16",
+                 "autocast-mixed_bfloat16", "autocast-mixed_float16")
 
 
 def use_compile_only_cpu() -> None:

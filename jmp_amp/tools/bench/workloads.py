@@ -1,7 +1,8 @@
 """The bench's workloads: precision modes, recipes and jitted train steps.
 
-A mode (`JAX_MODES`) names a precision policy or an autocast policy and its
-loss scaling; a recipe (`RECIPES`) the sizes of the PyTorch AMP recipe's MLP.
+A mode (`JAX_MODES`) is named after its precision policy, which rules or
+autocast apply, and sets its loss scaling; a recipe (`RECIPES`) the sizes of
+the PyTorch AMP recipe's MLP.
 `BUILDERS` turn a mode and a `Config` into a `Workload`: the jitted SGD step of
 a reference model (`jmp_amp.models`: MLP, ResNet, GPT) with its state and
 batches. The timing (`timing`), the H100 compile (`gpu`) and the torch rows
@@ -21,24 +22,29 @@ import optax
 
 import jmp_amp
 
-# name -> (policy string or None, loss scale maker or None, matmul precision,
-#          autocast policy or None; "float8" = FP8 matmuls: the policy through
-#          `mixed_rules() | {"*": "float8"}`, autocast through
-#          `jmp_amp.autocast`)
+# A mode's name is the policy it trains with (`jmp_amp.get_policy`'s name, or
+# "float8": FP8 matmuls), so that one name means one thing in the bench and in
+# the library: "autocast-" in front when `jmp_amp.autocast` applies it to the
+# loss function (outputs kept float32) instead of `set_policies` to the model;
+# "-noscale" behind a float16 mode that runs without the dynamic loss scaling
+# float16 modes otherwise have (as Keras's mixed_float16 and torch's
+# GradScaler); "-highest" behind float32 for float32 matmuls at full precision
+# (no TF32 on GPUs). "float8" rules are `mixed_rules() | {"*": "float8"}`.
 JAX_MODES: dict[str, dict[str, Any]] = {
     "float32": dict(policy="float32", scale=None),
     "float32-highest": dict(policy="float32", scale=None, precision="highest"),
-    "bf16": dict(policy="mixed_bfloat16", scale=None),
-    "fp16": dict(policy="mixed_float16", scale="dynamic"),
-    "fp16-noscale": dict(policy="mixed_float16", scale=None),
-    "autocast-bf16": dict(autocast="p=f32,c=bf16,o=f32", scale=None),
-    "autocast-fp16": dict(autocast="p=f32,c=f16,o=f32", scale="dynamic"),
-    "fp8": dict(policy="float8", scale=None),
-    "autocast-fp8": dict(autocast="float8", scale=None),
+    "mixed_bfloat16": dict(policy="mixed_bfloat16", scale=None),
+    "mixed_float16": dict(policy="mixed_float16", scale="dynamic"),
+    "mixed_float16-noscale": dict(policy="mixed_float16", scale=None),
+    "autocast-mixed_bfloat16": dict(autocast="mixed_bfloat16", scale=None),
+    "autocast-mixed_float16": dict(autocast="mixed_float16", scale="dynamic"),
+    "float8": dict(policy="float8", scale=None),
+    "autocast-float8": dict(autocast="float8", scale=None),
 }
 FP8_MODES = tuple(name for name, mode in JAX_MODES.items()
                   if "float8" in (mode.get("policy"), mode.get("autocast")))
-DEFAULT_MODES = ("float32", "float32-highest", "bf16", "fp16", "fp16-noscale")
+DEFAULT_MODES = ("float32", "float32-highest", "mixed_bfloat16",
+                 "mixed_float16", "mixed_float16-noscale")
 # The recipe's three PyTorch modes; both AMP rows autocast to float16, as the
 # recipe does (the row's matmuls cell says the dtype autocast really used).
 TORCH_MODES = ("torch-float32", "torch-autocast", "torch-autocast+scaler")
