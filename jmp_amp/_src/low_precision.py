@@ -54,25 +54,32 @@ def _key_seed(key: jax.Array) -> jax.Array:
   return s0
 
 
-def _random_bits16(seed: jax.Array, s1: jax.Array, shape: tuple[int, ...]
+def _random_bits16(seed: jax.Array, s1: jax.Array, x: jax.Array
                    ) -> jax.Array:
-  """16 uniform random bits per element: a hash of `seed` and its index.
+  """16 uniform random bits per element of float32 `x`: a hash of the seeds,
+  the element's index and its value.
 
   The element's index in the whole array (an iota, which XLA partitions like
   any other value) is what is hashed, so the bits do not depend on the
   sharding. `jax.random.bits` would too (threefry), at many times the cost
   of the rounding on a CPU (benchmarks/results/low_precision.json); rounding
-  needs uniform bits, not cryptographic ones.
+  needs uniform bits, not cryptographic ones. Hashing the value in too gives
+  each leaf its own bits from seeds shared by all leaves: every leaf of one
+  shape then compiles to the same kernel, which XLA compiles once (per-leaf
+  seeds, constants in each leaf's kernel, made every kernel distinct and a
+  GPT's 16-bit train step 2-3x slower to compile; issue #33). The bits stay
+  uniform for every value, since the seeds are.
 
   Args:
     seed, s1: uint32 scalars, hashed in before and between the two rounds.
-    shape: the shape of the bits.
+    x: the float32 values to round.
   """
-  index = jnp.zeros(shape, jnp.uint32)
-  for dim, size in enumerate(shape):
+  index = jnp.zeros(x.shape, jnp.uint32)
+  for dim, size in enumerate(x.shape):
     index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(
-        jnp.uint32, shape, dim)
-  return _mix(_mix(index ^ seed) ^ s1) >> 16
+        jnp.uint32, x.shape, dim)
+  value = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return _mix(_mix(index ^ seed) ^ value ^ s1) >> 16
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
@@ -83,9 +90,9 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   otherwise, so the expected result is `x` itself; representable values,
   infinities and NaN stay as they are. Finite values stay finite: one beyond
   bfloat16's largest finite value (about 3.39e38) becomes that value, with
-  its sign (saturation), never inf. The random bits are a hash of `key`
-  and each element's index in `x`: the same for the same key, whatever the
-  sharding of `x`.
+  its sign (saturation), never inf. The random bits are a hash of `key`,
+  each element's index in `x` and its value: the same for the same key,
+  whatever the sharding of `x`.
 
   Example:
     >>> x = jnp.full(1000, 1.0 + 2.0 ** -10)  # 1/8 of the way to 1 + 2**-7
@@ -126,7 +133,7 @@ def _round_with_seeds(x: jax.Array, seeds) -> jax.Array:
   """`stochastic_round` of float32 `x` with the bits of two uint32 seeds."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   rounded = jax.lax.bitcast_convert_type(
-      (bits + _random_bits16(*seeds, x.shape)) & jnp.uint32(0xFFFF0000),
+      (bits + _random_bits16(*seeds, x)) & jnp.uint32(0xFFFF0000),
       jnp.float32)
   # Rounding up from bfloat16's largest finite value carries into the
   # exponent and gives inf; saturate instead (a select: a clip would flush
@@ -190,17 +197,16 @@ def _seed_key(seed: Any, stream: int, who: str) -> jax.Array:
 def _next_keys(key_data: jax.Array, n: int):
   """The state's next key and the seeds of each leaf's bits for this step.
 
-  One threefry split per update; a leaf's seeds are then the step key's two
-  words, the first xor-ed with a constant of the leaf's number: per leaf, the
-  compiled step gets one scalar xor on top of the rounding. (A threefry
-  `fold_in` per leaf, as before, made a GPT's train step several times larger
-  and slower to compile; so did a hashed vector of per-leaf seeds, which XLA
-  recomputes inside every leaf's fusion. Issue #33.)
+  One threefry split per update; every leaf gets the step key's two words,
+  and its bits differ from other leaves' through its values, which the bits
+  hash too (`_random_bits16`). Nothing in a leaf's kernel is its own: XLA
+  compiles one kernel per shape. (A threefry `fold_in` per leaf, and later a
+  constant xor-ed into each leaf's seed, made a GPT's train step several
+  times slower to compile. Issue #33.)
   """
   following, now = jax.random.split(jax.random.wrap_key_data(key_data))
   w0, w1 = jax.random.key_data(now).astype(jnp.uint32).reshape(-1)[:2]
-  seeds = [(w0 ^ jnp.uint32(((i + 1) * 0x9E3779B9) % 2 ** 32), w1)
-           for i in range(n)]
+  seeds = [(w0, w1)] * n
   return jax.random.key_data(following), seeds
 
 
