@@ -85,6 +85,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_core
 from jmp_amp.flax import _fp8 as fp8_lib
+from jmp_amp.flax._select import compile_pattern
 
 __all__ = ("NORM_CLASSES", "PolicyRules", "mixed_rules")
 
@@ -244,72 +245,6 @@ def describe_key(key: Any) -> str:
       return f"{framework}.{key.__qualname__}"
     return f"{key.__module__}.{key.__qualname__}"
   return repr(key)
-
-
-def compile_pattern(pattern: str) -> re.Pattern:
-  """Compiles a path glob (see the module docstring) to an anchored regex.
-
-  Example:
-    >>> from jmp_amp.flax.rules import compile_pattern
-    >>> bool(compile_pattern("blocks/*/attn").match("blocks/3/attn"))
-    True
-
-  Raises:
-    ValueError: unbalanced ``[``/``]``, an empty or invalid character class,
-      a '/' inside a class, a leading/trailing '/' or an empty segment.
-  """
-  def fail(why: str) -> ValueError:
-    return ValueError(f"Invalid path pattern {pattern!r}: {why}. Patterns "
-                      "are '/'-separated globs like 'blocks/*/attn', "
-                      "'**/mlp' or 'layers_[0-3]'.")
-
-  if pattern.startswith("/") or (pattern.endswith("/") and pattern):
-    raise fail("module paths have no leading or trailing '/'")
-  if "//" in pattern:
-    raise fail("empty path segment '//'")
-  out, i, n = [], 0, len(pattern)
-  while i < n:
-    c = pattern[i]
-    if pattern.startswith("**", i):
-      i += 2
-      if pattern.startswith("/", i):
-        out.append("(?:.*/)?")
-        i += 1
-      else:
-        out.append(".*")
-    elif c == "*":
-      out.append("[^/]*")
-      i += 1
-    elif c == "?":
-      out.append("[^/]")
-      i += 1
-    elif c == "[":
-      j = i + 1
-      negate = j < n and pattern[j] in "!^"
-      if negate:
-        j += 1
-      start = j
-      if j < n and pattern[j] == "]":  # a leading ']' is literal, as in glob
-        j += 1
-      while j < n and pattern[j] != "]":
-        j += 1
-      if j >= n:
-        raise fail(f"unbalanced '[' at position {i}")
-      body = pattern[start:j]
-      if "/" in body:
-        raise fail("'/' inside a character class can never match")
-      body = body.replace("\\", "\\\\").replace("^", "\\^")
-      out.append(("[^/" if negate else "[") + body + "]")
-      i = j + 1
-    elif c == "]":
-      raise fail(f"unbalanced ']' at position {i}")
-    else:
-      out.append(re.escape(c))
-      i += 1
-  try:
-    return re.compile("".join(out) + r"\Z")
-  except re.error as e:
-    raise fail(str(e)) from None
 
 
 # Ranks of rules that match a module directly: the highest wins.
