@@ -16,6 +16,7 @@ import pytest
 
 import jmp_amp
 import jmp_amp.flax
+import jmp_amp.flax.numerics
 from jmp_amp.models import gpt
 
 LAYERS = 3
@@ -47,6 +48,84 @@ def train(model, tx, steps=4, **step_kwargs):
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   step = jmp_amp.flax.make_train_step(loss_fn, **step_kwargs)
   return [step(model, opt, TOKENS) for _ in range(steps)], opt
+
+
+def block_paths(path):
+  """The unscanned model's paths of a scanned module: 'blocks/attn' ->
+  ['blocks/0/attn', ...]; other paths stay as they are."""
+  if path != "blocks" and not path.startswith("blocks/"):
+    return [path]
+  return [f"blocks/{i}{path[len('blocks'):]}" for i in range(LAYERS)]
+
+
+# --------------------------------------------------------------------------
+# Policies: rules written for the unscanned model's paths.
+
+
+@pytest.mark.parametrize("rules", [
+    # (A scanned block must return the dtype it takes, the scan's carry:
+    # float32 here, as the embeddings under "*".)
+    {"blocks/*/attn": "mixed_bfloat16", "*": "float32"},
+    {"blocks/attn": "mixed_bfloat16", "*": "float32"},  # the stack's own path
+    {"blocks/[0-2]/mlp/fc": "float16", "blocks/*": "bfloat16",
+     nnx.LayerNorm: "float32"},
+    {"**/qkv": "p=f32,c=f16,o=f32", "blocks/0/attn": "bfloat16",
+     "blocks/*/attn": "bfloat16", "*": "float32"},  # block 0: the same policy
+], ids=["glob", "own-path", "class-and-range", "same-policy-for-block-0"])
+def test_rules_deciding_every_block_alike_apply_to_the_stack(rules):
+  plain, scanned = models()
+  jmp_amp.flax.set_policies(scanned, rules)
+  want = jmp_amp.flax.get_policies(jmp_amp.flax.set_policies(
+      plain, {k: v for k, v in rules.items() if k != "blocks/attn"}
+      | ({"blocks/*/attn": rules["blocks/attn"]} if "blocks/attn" in rules
+         else {})))
+  got = jmp_amp.flax.get_policies(scanned)
+  assert set(got) >= {"blocks", "blocks/attn/qkv", "blocks/ln1"}
+  for path, policy in got.items():
+    for block in block_paths(path):
+      assert str(want[block]) == str(policy), (path, block)
+  # Each block computes in its policy's dtypes: the stacked forward pass
+  # matches the unscanned one within the half dtypes' rounding (2**-8
+  # relative for bfloat16, compounded through 3 blocks and a LayerNorm).
+  np.testing.assert_allclose(np.asarray(scanned(TOKENS), np.float32),
+                             np.asarray(plain(TOKENS), np.float32),
+                             rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("rules,where,said", [
+    ({"blocks/0/*": "float32", "*": "mixed_bfloat16"}, "blocks/attn",
+     r"block 0 -> p=f32,c=f32,o=f32 \(rule 'blocks/0/\*'\); blocks 1, 2 -> "
+     r"p=f32,c=bf16,o=bf16 \(rule '\*'\)"),
+    ({"blocks/2": "float32", "*": "mixed_bfloat16"}, "blocks",
+     r"blocks 0, 1 -> p=f32,c=bf16,o=bf16 \(rule '\*'\); block 2 -> "
+     r"p=f32,c=f32,o=f32 \(rule 'blocks/2'\)"),
+    ({"blocks/[01]/mlp/fc": "float16"}, "blocks/mlp/fc",
+     r"blocks 0, 1 -> p=f16,c=f16,o=f16 \(rule 'blocks/\[01\]/mlp/fc'\); "
+     r"block 2 -> None \(no rule\)"),
+], ids=["first-block", "last-block", "some-blocks"])
+def test_rules_deciding_some_blocks_of_the_stack_raise(rules, where, said):
+  plain, scanned = models()
+  jmp_amp.flax.set_policies(scanned, "float16")
+  before = jmp_amp.flax.get_policies(scanned)
+  with pytest.raises(
+      ValueError, match=rf"the rules decide the blocks of the scanned stack "
+      rf"'blocks' \(3 blocks stacked along leading axes \(3,\), run as one "
+      rf"program by nnx.scan\) differently at '{where}': {said}\. One "
+      rf"program runs every block of a stack, so its blocks take one policy: "
+      rf"write the rule for every block \('.*', or '{where}'\), build the "
+      rf"model with its blocks unstacked \(e.g. GPT\(..., "
+      rf"scan_layers=False\)\), or split the stack"):
+    jmp_amp.flax.set_policies(scanned, rules)
+  # Nothing was applied: the model keeps its policies and its dtypes.
+  assert {p: str(v) for p, v in jmp_amp.flax.get_policies(scanned).items()} \
+      == {p: str(v) for p, v in before.items()}
+  assert scanned.blocks.mlp.fc.kernel[...].dtype == jnp.float16
+  # The unscanned model takes the same rules.
+  jmp_amp.flax.set_policies(plain, rules)
+
+
+# --------------------------------------------------------------------------
+# Training.
 
 
 def test_scanned_params_are_stacked_and_the_forward_pass_matches():
@@ -123,15 +202,63 @@ def test_fp8_first_last_of_a_scanned_stack_raises():
     jmp_amp.flax.set_policies(model, {"*": "float8"}, example_args=(TOKENS,))
 
 
-@pytest.mark.slow  # a few train-step compiles: ~20-60 s each
-def test_telemetry_reports_the_scanned_block_modules():
-  _, model = models()
-  jmp_amp.flax.set_policies(model, "mixed_bfloat16")
-  metrics, _ = train(model, jmp_amp.loss_scaling(
-      optax.adamw(1e-2), jmp_amp.NoOpLossScale()), steps=1, numerics="**")
-  stats = metrics[0]["numerics"]
-  assert {"blocks/attn/qkv", "blocks/mlp/fc"} <= set(stats)
-  assert stats["blocks/mlp/fc"]["grad"]
+# --------------------------------------------------------------------------
+# Telemetry: one entry per block, under the unscanned model's paths.
+
+
+@pytest.mark.slow  # two train-step compiles: ~20-60 s each
+@pytest.mark.parametrize("policy,rtol,atol", [
+    # float32: the same computation; only XLA's reassociation differs.
+    ("float32", 1e-5, 1e-6),
+    # bfloat16: the scanned body rounds in another order (2**-8 relative
+    # each): a maximum moves by a few roundings, a fraction of zeros by a
+    # few elements of the thousands.
+    ("mixed_bfloat16", 0.04, 0.01)])
+def test_telemetry_per_block_matches_the_unscanned_model(policy, rtol, atol):
+  stats = []
+  for model in models():
+    jmp_amp.flax.set_policies(model, policy)
+    metrics, _ = train(model, jmp_amp.loss_scaling(
+        optax.adamw(1e-2), jmp_amp.NoOpLossScale()), steps=1, numerics="**")
+    stats.append(jax.device_get(metrics[0]["numerics"]))
+  plain, scanned = stats
+  assert sorted(scanned) == sorted(plain)
+  assert {"blocks/2", "blocks/2/attn/qkv", "blocks/0/mlp/fc"} <= set(scanned)
+  for path, kinds in plain.items():
+    assert sorted(scanned[path]) == sorted(kinds), path
+    for kind, s in kinds.items():
+      for name, value in s.items():
+        np.testing.assert_allclose(
+            scanned[path][kind][name], value, err_msg=f"{path} {kind} {name}",
+            rtol=rtol if name == "max_abs" else 0,
+            atol=0 if name == "max_abs" else atol)
+  # Per block, not one value for the stack.
+  assert len({float(scanned[f"blocks/{i}/mlp/fc"][kind]["max_abs"])
+              for i in range(LAYERS) for kind in ("out", "grad")}) == 2 * LAYERS
+
+
+def test_watch_selects_blocks_of_the_stack_by_their_unscanned_paths():
+  plain, scanned = models()
+  graphdef = nnx.graphdef(scanned)
+
+  def outputs(model, select):  # traced only: the entries and their shapes
+    def run(model):
+      with jmp_amp.flax.numerics.watch(model, select) as seen:
+        model(TOKENS)
+      return seen.outputs
+    return nnx.eval_shape(run, model)
+
+  got = outputs(scanned, ["blocks/1/mlp", "blocks/attn/qkv", "ln_f"])
+  want = outputs(plain, ["blocks/1/mlp", "blocks/*/attn/qkv", "ln_f"])
+  assert sorted(got) == ["blocks/0/attn/qkv", "blocks/1/attn/qkv",
+                         "blocks/1/mlp", "blocks/2/attn/qkv", "ln_f"]
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert {x.shape for x in jax.tree.leaves(got)} == {()}
+  assert nnx.graphdef(scanned) == graphdef  # the marks are gone
+  with pytest.warns(UserWarning, match=r"select 'blocks/3/mlp' matches no "
+                    r"module path of GPT \(paths are like 'blocks', "
+                    r"'blocks/0', "):
+    outputs(scanned, "blocks/3/mlp")
 
 
 @pytest.mark.slow  # a few train-step compiles: ~20-60 s each

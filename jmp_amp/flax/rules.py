@@ -22,6 +22,12 @@ and ``**`` any number of segments (``"blocks/**"`` is everything inside
 ``blocks``, ``"**/attn"`` an ``attn`` at any depth). So ``"*/out"`` matches
 ``"mlp/out"`` but not ``"blocks/0/mlp/out"``, which ``"**/out"`` matches.
 
+Scanned stacks (blocks stacked by `nnx.vmap`, run by `nnx.scan`): a module
+of the stack, ``blocks/attn`` say, goes by its paths in the blocks,
+``blocks/0/attn`` ... ``blocks/N-1/attn`` as in the unscanned model, and by
+its own path written out exactly. Rules that decide the blocks of a stack
+differently raise ValueError: one program runs them all.
+
 Resolution, for each module:
 
 1. The most specific rule whose key matches the module wins, wherever it
@@ -376,9 +382,12 @@ def most_specific(rules: Sequence[Rule], path: str) -> Rule:
 
 
 def resolve(ruleset: RuleSet, path: str, module: Any,
-            parent: Optional[Resolution]) -> Resolution:
+            parent: Optional[Resolution], aliases: tuple = ()) -> Resolution:
   """The policy of one module, given its parent's resolution (or None).
 
+  `aliases`: other paths of the module that rules naming a path exactly
+  match too (a module of a scanned stack is resolved under each of its block
+  paths, with its own path as an alias).
   The pattern ``""`` names the root alone and is not inherited: it sets the
   model's own input/output casts, e.g. ``{"": "p=f32,c=bf16,o=f32"} |
   mixed_rules()`` returns float32 outputs from an otherwise mixed model.
@@ -386,7 +395,8 @@ def resolve(ruleset: RuleSet, path: str, module: Any,
   Raises:
     ValueError: the module matches two rules of equal rank.
   """
-  matching = [rule for rule in ruleset.rules if rule.matches(path, module)]
+  matching = [rule for rule in ruleset.rules if rule.matches(path, module)
+              or (rule.rank == PATH_RANK and rule.key in aliases)]
   if matching:
     rule = most_specific(matching, path)
     return Resolution(rule.policy, rule, "rule",
