@@ -255,14 +255,15 @@ class StackWatch:
   def record(module: Any, out: Any) -> None:
     """Merges the statistics of `out` into `module`'s block row, if any."""
     var = vars(module).get(_STATS)
-    new = stats_lib.tree_stats(out)
-    if var is None or new is None:
+    new = None if var is None else stats_lib.tree_stats(out)
+    if new is None:
       return
     old = var.get_value()
     old_stats = dict(zip(stats_lib.STAT_NAMES, jnp.moveaxis(old, -1, 0)))
     merged = stats_lib.merge_stats(old_stats, new)
     row = lambda s: jnp.stack([s[k] for k in stats_lib.STAT_NAMES], -1)
-    var.set_value(jnp.where(old[..., -1:] < 0, row(new), row(merged)))
+    unset = old_stats["nonfinite"][..., None] < 0  # the block's first call
+    var.set_value(jnp.where(unset, row(new), row(merged)))
 
   def close(self) -> dict[str, dict[str, jax.Array]]:
     """The recorded rows by block path; removes the marks."""

@@ -22,7 +22,9 @@ made the first inf/NaN.
 
 `select` uses the glob dialect of `jmp_amp.flax.rules`: a path pattern
 (``"blocks/*/attn"``, ``"**"`` or ``"*"`` for every module), a module class
-(``nnx.Linear``), or a sequence of them.
+(``nnx.Linear``), or a sequence of them. A module of a scanned stack (blocks
+stacked by `nnx.vmap`, run by `nnx.scan`) reports one entry per block, under
+its path in the unscanned model (``blocks/0/attn``), which patterns match.
 
 How module calls are seen: linen through `flax.linen.intercept_methods`;
 NNX, which has no method interceptor, through a `sys.setprofile` hook that
