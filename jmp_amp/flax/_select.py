@@ -1,20 +1,89 @@
-"""Which modules a telemetry `select` argument picks (`jmp_amp.flax.numerics`).
+"""The path globs of `jmp_amp.flax`, and which modules a selection picks.
 
-The glob dialect of `jmp_amp.flax.rules` (``"blocks/*/attn"``, ``"**"``), module
-classes, or a list of them; a key that picks no module of the model warns.
+`compile_pattern` compiles the one glob dialect (``"blocks/*/attn"``,
+``"**"``; see `jmp_amp.flax.rules`) that policy rules and telemetry share.
+`Selector` is a telemetry `select` argument (`jmp_amp.flax.numerics`): path
+globs, module classes, or a list of them; a key that picks no module of the
+model warns.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Sequence, Union
 import warnings
 
 from flax import linen as nn
 from flax import nnx
 
-from jmp_amp.flax import rules as rules_lib
-
 Select = Union[None, str, type, Sequence[Union[str, type]]]
+DEFAULT_KEY = "*"  # as in rules: every module
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+  """Compiles a path glob (see `jmp_amp.flax.rules`) to an anchored regex.
+
+  Example:
+    >>> from jmp_amp.flax.rules import compile_pattern
+    >>> bool(compile_pattern("blocks/*/attn").match("blocks/3/attn"))
+    True
+
+  Raises:
+    ValueError: unbalanced ``[``/``]``, an empty or invalid character class,
+      a '/' inside a class, a leading/trailing '/' or an empty segment.
+  """
+  def fail(why: str) -> ValueError:
+    return ValueError(f"Invalid path pattern {pattern!r}: {why}. Patterns "
+                      "are '/'-separated globs like 'blocks/*/attn', "
+                      "'**/mlp' or 'layers_[0-3]'.")
+
+  if pattern.startswith("/") or (pattern.endswith("/") and pattern):
+    raise fail("module paths have no leading or trailing '/'")
+  if "//" in pattern:
+    raise fail("empty path segment '//'")
+  out, i, n = [], 0, len(pattern)
+  while i < n:
+    c = pattern[i]
+    if pattern.startswith("**", i):
+      i += 2
+      if pattern.startswith("/", i):
+        out.append("(?:.*/)?")
+        i += 1
+      else:
+        out.append(".*")
+    elif c == "*":
+      out.append("[^/]*")
+      i += 1
+    elif c == "?":
+      out.append("[^/]")
+      i += 1
+    elif c == "[":
+      j = i + 1
+      negate = j < n and pattern[j] in "!^"
+      if negate:
+        j += 1
+      start = j
+      if j < n and pattern[j] == "]":  # a leading ']' is literal, as in glob
+        j += 1
+      while j < n and pattern[j] != "]":
+        j += 1
+      if j >= n:
+        raise fail(f"unbalanced '[' at position {i}")
+      body = pattern[start:j]
+      if "/" in body:
+        raise fail("'/' inside a character class can never match")
+      body = body.replace("\\", "\\\\").replace("^", "\\^")
+      out.append(("[^/" if negate else "[") + body + "]")
+      i = j + 1
+    elif c == "]":
+      raise fail(f"unbalanced ']' at position {i}")
+    else:
+      out.append(re.escape(c))
+      i += 1
+  try:
+    return re.compile("".join(out) + r"\Z")
+  except re.error as e:
+    raise fail(str(e)) from None
 
 
 class Selector:
@@ -35,8 +104,8 @@ class Selector:
           raise TypeError(f"select: {key!r} is not a Flax module class")
         self.classes.append(key)
       elif isinstance(key, str):
-        key = "**" if key == rules_lib.DEFAULT_KEY else key
-        self.patterns.append(rules_lib.compile_pattern(key))
+        key = "**" if key == DEFAULT_KEY else key
+        self.patterns.append(compile_pattern(key))
       else:
         raise TypeError(f"select: {key!r} is neither a path pattern str nor "
                         "a Flax module class")
@@ -63,8 +132,8 @@ class Selector:
           problems.append(f"select {key.__name__} matches no module of "
                           f"{what}: no module is an instance of it")
         continue
-      pattern = rules_lib.compile_pattern(
-          "**" if key == rules_lib.DEFAULT_KEY else key)
+      pattern = compile_pattern(
+          "**" if key == DEFAULT_KEY else key)
       if not any(pattern.match(p) for p in candidates):
         paths = sorted(p for p in candidates if p)[:4]
         problems.append(

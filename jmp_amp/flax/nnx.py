@@ -74,6 +74,7 @@ import numpy as np
 from jmp_amp._src import ops
 from jmp_amp.flax import _common
 from jmp_amp.flax import _fp8 as fp8_lib
+from jmp_amp.flax import _scan
 from jmp_amp.flax import rules as rules_lib
 
 M = TypeVar("M", bound=nnx.Module)
@@ -158,8 +159,10 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
       module matches two rules of equal rank, an FP8 rule names a module
       without a matmul knob that computes with Params of its own
       (nnx.Embed, a norm, nnx.ConvTranspose), FP8 rules keep the first and
-      last matmul modules but no `example_args` tell which they are, or (if
-      `strict`) a rule matched nothing or a module cannot follow its policy.
+      last matmul modules but no `example_args` tell which they are, rules
+      decide the blocks of a scanned stack differently (one program runs
+      them all; see `jmp_amp.flax.rules`), or (if `strict`) a rule matched
+      nothing or a module cannot follow its policy.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"set_policies expects an nnx.Module, got "
@@ -167,17 +170,8 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
                     "jmp_amp.flax.apply_with_policies.")
   ruleset = rules_lib.validate_rules(rules)
   modules = _modules(model)
-  resolved: dict[tuple, rules_lib.Resolution] = {}
-  used = set()
-  for path, module in modules:
-    parent = resolved.get(path[:-1]) if path else None
-    res = rules_lib.resolve(ruleset, _path_str(path), module, parent)
-    resolved[path] = res
-    if res.source in ("rule", "default"):
-      used.add(res.rule.key)
-  rules_lib.report_unmatched(
-      ruleset, used, [(_path_str(p), m) for p, m in modules], strict=strict,
-      what=type(model).__name__)
+  resolved = _scan.resolve(ruleset, modules, strict=strict,
+                           what=type(model).__name__)
   fp8_paths = _fp8_modules(model, ruleset, modules, resolved, example_args)
   problems = []
   for path, module in modules:

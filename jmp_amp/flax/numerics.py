@@ -22,7 +22,9 @@ made the first inf/NaN.
 
 `select` uses the glob dialect of `jmp_amp.flax.rules`: a path pattern
 (``"blocks/*/attn"``, ``"**"`` or ``"*"`` for every module), a module class
-(``nnx.Linear``), or a sequence of them.
+(``nnx.Linear``), or a sequence of them. A module of a scanned stack (blocks
+stacked by `nnx.vmap`, run by `nnx.scan`) reports one entry per block, under
+its path in the unscanned model (``blocks/0/attn``), which patterns match.
 
 How module calls are seen: linen through `flax.linen.intercept_methods`;
 NNX, which has no method interceptor, through a `sys.setprofile` hook that
@@ -59,6 +61,7 @@ from jmp_amp._src import fp8 as fp8_core
 from jmp_amp._src import localise
 from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _fp8 as fp8_layers
+from jmp_amp.flax import _scan as scan_lib
 from jmp_amp.flax import _select as select_lib
 from jmp_amp.flax import nnx as nnx_lib
 from jmp_amp.flax import rules as rules_lib
@@ -81,6 +84,8 @@ class Seen:
     self.outputs: dict[str, dict[str, jax.Array]] = {}
 
   def record(self, path: str, module: Any, out: Any) -> None:
+    if scan_lib.StackWatch.path(module) is not None:
+      return scan_lib.StackWatch.record(module, out)  # a block of a stack
     if self.select is None or not self.select(path, module):
       return
     s = stats_lib.tree_stats(out)
@@ -90,8 +95,9 @@ class Seen:
     self.outputs[path] = s if old is None else stats_lib.merge_stats(old, s)
 
 
-def _nnx_hook(paths: dict[int, tuple[str, Any]], seen: Seen):
-  """A profile function: named scopes around the modules' method calls."""
+def _nnx_hook(paths: dict[int, tuple[str, Any]], seen: Seen, stacked: bool):
+  """A profile function: named scopes around the modules' method calls (the
+  copies of a stack's modules inside a transform too, if `stacked`)."""
   open_scopes: dict[int, tuple[Any, str, Any]] = {}
 
   def hook(frame, event, arg):
@@ -100,7 +106,10 @@ def _nnx_hook(paths: dict[int, tuple[str, Any]], seen: Seen):
       name = code.co_name
       if (code.co_argcount and code.co_varnames[0] == "self"
           and (name == "__call__" or not name.startswith("_"))):
-        entry = paths.get(id(frame.f_locals.get("self")))
+        obj = frame.f_locals.get("self")
+        entry = paths.get(id(obj))
+        if entry is None and stacked and scan_lib.StackWatch.path(obj):
+          entry = (scan_lib.StackWatch.path(obj), obj)
         if entry is not None:
           scope = jax.named_scope(localise.encode_path(entry[0]))
           scope.__enter__()
@@ -171,10 +180,10 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
                     f"{type(model).__name__}")
   paths = {id(m): ("/".join(str(p) for p in path), m)
            for path, m in nnx.iter_modules(model)}
+  stacks = scan_lib.StackWatch(model, seen.select)
   if seen.select is not None:
-    seen.select.warn_unmatched(dict(paths.values()),
-                               type(model).__name__)
-  hook = _nnx_hook(paths, seen)
+    seen.select.warn_unmatched(stacks.candidates, type(model).__name__)
+  hook = _nnx_hook(paths, seen, bool(stacks.marked))
   previous = sys.getprofile()
   if previous is not None:
     inner = hook
@@ -187,6 +196,7 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
     yield seen
   finally:
     sys.setprofile(previous)
+    seen.outputs.update(stacks.close())
 
 
 def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
@@ -208,32 +218,31 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
   """
   selector = _Selector(select if select is not None else [])
   if model is not None:
-    modules = {"/".join(str(p) for p in path): m
-               for path, m in nnx.iter_modules(model)}
+    pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)]
+    modules = {scan_lib.path_str(p): m for p, m in pairs}
     policies = nnx_lib.get_policies(model)
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
   else:
-    modules, policies = {}, {}
+    pairs, modules, policies = [], {}, {}
     flat = list(jax.tree_util.tree_flatten_with_path(grads)[0])
     flat = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v)
             for p, v in flat]
+  stacks = scan_lib.Stacks.find(pairs)  # a stacked module: stats per block
   grouped: dict[str, list] = {}
-  candidates: dict[str, Any] = dict(modules)
+  candidates: dict[str, Any] = stacks.candidates(pairs)
   for path, value in flat:
     value = value.get_value() if isinstance(value, nnx.Variable) else value
     owner = _owner("/".join(str(p) for p in path[:-1]), modules)
     candidates.setdefault(owner, modules.get(owner))
-    if selector(owner, modules.get(owner)):
+    if stacks.select(selector, owner, modules.get(owner)):
       grouped.setdefault(owner, []).append(value)
   selector.warn_unmatched(
       candidates, "the model" if model is None else type(model).__name__)
   out = {}
   for owner, values in grouped.items():
-    policy = policies.get(owner)
-    dtype = getattr(policy, "compute_dtype", None)
-    s = stats_lib.tree_stats(values, dtype)
-    if s is not None:
-      out[owner] = s
+    dtype = getattr(policies.get(owner), "compute_dtype", None)
+    out.update(stacks.stats(selector, owner, modules.get(owner), values,
+                            dtype))
   return out
 
 
@@ -248,22 +257,27 @@ def fp8_stats(model: nnx.Module, select: Select, into: dict[str, Any]
   tensor's own amax).
   """
   selector = _Selector(select)
-  modules = {"/".join(str(p) for p in path): m
-             for path, m in nnx.iter_modules(model)}
+  pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)]
+  modules = {scan_lib.path_str(p): m for p, m in pairs}
+  stacks = scan_lib.Stacks.find(pairs)  # a stacked module: one per block
   policies = nnx_lib.get_policies(model)
   out = {}
-  for path, state in fp8_layers.histories(model).items():
+  for path, stacked in fp8_layers.histories(model).items():
     recipe = getattr(policies.get(path), "recipe", None)
-    if recipe is None or not selector(path, modules.get(path)):
+    if recipe is None:
       continue
-    fp8 = {}
-    for name, dtype in (("lhs", recipe.fwd_dtype), ("rhs", recipe.fwd_dtype),
-                        ("grad", recipe.bwd_dtype)):
-      history = getattr(state, name)
-      fp8[f"amax_{name}"] = history[0]
-      fp8[f"scale_{name}"] = fp8_core.compute_scale(
-          jnp.max(history), dtype, recipe.margin)
-    out[path] = {**into.get(path, {}), "fp8": fp8}
+    for key, idx in stacks.select(selector, path, modules.get(path)):
+      state = stacked if idx is None else jax.tree.map(lambda h: h[idx],
+                                                       stacked)
+      fp8 = {}
+      for name, dtype in (("lhs", recipe.fwd_dtype),
+                          ("rhs", recipe.fwd_dtype),
+                          ("grad", recipe.bwd_dtype)):
+        history = getattr(state, name)
+        fp8[f"amax_{name}"] = history[0]
+        fp8[f"scale_{name}"] = fp8_core.compute_scale(
+            jnp.max(history), dtype, recipe.margin)
+      out[key] = {**into.get(key, {}), "fp8": fp8}
   return out
 
 

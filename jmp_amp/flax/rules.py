@@ -22,6 +22,12 @@ and ``**`` any number of segments (``"blocks/**"`` is everything inside
 ``blocks``, ``"**/attn"`` an ``attn`` at any depth). So ``"*/out"`` matches
 ``"mlp/out"`` but not ``"blocks/0/mlp/out"``, which ``"**/out"`` matches.
 
+Scanned stacks (blocks stacked by `nnx.vmap`, run by `nnx.scan`): a module
+of the stack, ``blocks/attn`` say, goes by its paths in the blocks,
+``blocks/0/attn`` ... ``blocks/N-1/attn`` as in the unscanned model, and by
+its own path written out exactly. Rules that decide the blocks of a stack
+differently raise ValueError: one program runs them all.
+
 Resolution, for each module:
 
 1. The most specific rule whose key matches the module wins, wherever it
@@ -85,6 +91,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_core
 from jmp_amp.flax import _fp8 as fp8_lib
+from jmp_amp.flax._select import compile_pattern
 
 __all__ = ("NORM_CLASSES", "PolicyRules", "mixed_rules")
 
@@ -246,72 +253,6 @@ def describe_key(key: Any) -> str:
   return repr(key)
 
 
-def compile_pattern(pattern: str) -> re.Pattern:
-  """Compiles a path glob (see the module docstring) to an anchored regex.
-
-  Example:
-    >>> from jmp_amp.flax.rules import compile_pattern
-    >>> bool(compile_pattern("blocks/*/attn").match("blocks/3/attn"))
-    True
-
-  Raises:
-    ValueError: unbalanced ``[``/``]``, an empty or invalid character class,
-      a '/' inside a class, a leading/trailing '/' or an empty segment.
-  """
-  def fail(why: str) -> ValueError:
-    return ValueError(f"Invalid path pattern {pattern!r}: {why}. Patterns "
-                      "are '/'-separated globs like 'blocks/*/attn', "
-                      "'**/mlp' or 'layers_[0-3]'.")
-
-  if pattern.startswith("/") or (pattern.endswith("/") and pattern):
-    raise fail("module paths have no leading or trailing '/'")
-  if "//" in pattern:
-    raise fail("empty path segment '//'")
-  out, i, n = [], 0, len(pattern)
-  while i < n:
-    c = pattern[i]
-    if pattern.startswith("**", i):
-      i += 2
-      if pattern.startswith("/", i):
-        out.append("(?:.*/)?")
-        i += 1
-      else:
-        out.append(".*")
-    elif c == "*":
-      out.append("[^/]*")
-      i += 1
-    elif c == "?":
-      out.append("[^/]")
-      i += 1
-    elif c == "[":
-      j = i + 1
-      negate = j < n and pattern[j] in "!^"
-      if negate:
-        j += 1
-      start = j
-      if j < n and pattern[j] == "]":  # a leading ']' is literal, as in glob
-        j += 1
-      while j < n and pattern[j] != "]":
-        j += 1
-      if j >= n:
-        raise fail(f"unbalanced '[' at position {i}")
-      body = pattern[start:j]
-      if "/" in body:
-        raise fail("'/' inside a character class can never match")
-      body = body.replace("\\", "\\\\").replace("^", "\\^")
-      out.append(("[^/" if negate else "[") + body + "]")
-      i = j + 1
-    elif c == "]":
-      raise fail(f"unbalanced ']' at position {i}")
-    else:
-      out.append(re.escape(c))
-      i += 1
-  try:
-    return re.compile("".join(out) + r"\Z")
-  except re.error as e:
-    raise fail(str(e)) from None
-
-
 # Ranks of rules that match a module directly: the highest wins.
 CLASS_RANK, GLOB_RANK, PATH_RANK = 0, 1, 2
 _WILDCARDS = frozenset("*?[")
@@ -441,9 +382,12 @@ def most_specific(rules: Sequence[Rule], path: str) -> Rule:
 
 
 def resolve(ruleset: RuleSet, path: str, module: Any,
-            parent: Optional[Resolution]) -> Resolution:
+            parent: Optional[Resolution], aliases: tuple = ()) -> Resolution:
   """The policy of one module, given its parent's resolution (or None).
 
+  `aliases`: other paths of the module that rules naming a path exactly
+  match too (a module of a scanned stack is resolved under each of its block
+  paths, with its own path as an alias).
   The pattern ``""`` names the root alone and is not inherited: it sets the
   model's own input/output casts, e.g. ``{"": "p=f32,c=bf16,o=f32"} |
   mixed_rules()`` returns float32 outputs from an otherwise mixed model.
@@ -451,7 +395,8 @@ def resolve(ruleset: RuleSet, path: str, module: Any,
   Raises:
     ValueError: the module matches two rules of equal rank.
   """
-  matching = [rule for rule in ruleset.rules if rule.matches(path, module)]
+  matching = [rule for rule in ruleset.rules if rule.matches(path, module)
+              or (rule.rank == PATH_RANK and rule.key in aliases)]
   if matching:
     rule = most_specific(matching, path)
     return Resolution(rule.policy, rule, "rule",

@@ -1,0 +1,281 @@
+"""Scanned stacks: one module object standing for the blocks of a stack.
+
+A model that stacks its blocks with `nnx.vmap` and runs them under `nnx.scan`
+(``jmp_amp.models.GPT(..., scan_layers=True)``) holds one module per layer of
+a block, its variables stacked along leading axes: ``blocks/attn/qkv``, with a
+kernel ``[num_blocks, d, 3 d]``, stands for the ``blocks/0/attn/qkv`` ...
+``blocks/N-1/attn/qkv`` of the unscanned model. The *root* of a stack is the
+outermost module (not an `nnx.List` / `nnx.Dict`) whose Flax layers (Linear,
+LinearGeneral, Einsum, Conv, Embed, the norms) all have the same leading axes
+in front of the rank their own attributes give; each module inside it has one
+*block path* per block, the block's index put after the root's path.
+
+Path patterns (of policy rules and telemetry selections) match a stacked
+module's block paths, as they match the unscanned model's paths; its own path
+counts when written out exactly. Rules must decide every block of a stack
+alike (`resolve`); telemetry reports one entry per block, under its block
+path (`StackWatch`, `Stacks.select`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_amp._src import tensor_stats as stats_lib
+from jmp_amp.flax import _fp8 as fp8_lib
+from jmp_amp.flax import rules as rules_lib
+
+_CONTAINERS = (nnx.List, nnx.Dict)
+_NORMS = tuple(c for c in rules_lib.NORM_CLASSES if issubclass(c, nnx.Module))
+
+
+def _leading_axes(module: Any) -> Optional[tuple[int, ...]]:
+  """The axes stacked in front of a Flax layer's params; None for others."""
+  if isinstance(module, (nnx.Linear, nnx.Einsum, nnx.Conv)):
+    return fp8_lib.stack_shape(module)
+  attrs = vars(module)
+  if isinstance(module, nnx.LinearGeneral):
+    name, rank = "kernel", (len(module.batch_axis) + len(module.in_features)
+                            + len(module.out_features))
+  elif isinstance(module, nnx.Embed):
+    name, rank = "embedding", 2
+  elif isinstance(module, _NORMS):
+    name = next((n for n in ("scale", "bias", "mean") if isinstance(
+        attrs.get(n), nnx.Variable)), None)
+    rank = 1
+  else:
+    return None
+  var = attrs.get(name)
+  if not isinstance(var, nnx.Variable):
+    return None
+  shape = tuple(var.get_value().shape)
+  return shape[:len(shape) - rank]
+
+
+def path_str(path: tuple) -> str:
+  return "/".join(str(p) for p in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacks:
+  """The scanned stacks of a model.
+
+  Attributes:
+    roots: ``{root path: stack shape}``.
+    paths: ``{'/'-joined path: path}`` of the model's modules.
+  """
+  roots: dict[tuple, tuple[int, ...]]
+  paths: dict[str, tuple]
+
+  @classmethod
+  def find(cls, modules: Sequence[tuple[tuple, Any]]) -> Stacks:
+    """The stacks among ``(path, module)`` pairs (see the module docstring)."""
+    axes: dict[tuple, set] = {}
+    for path, module in modules:
+      own = _leading_axes(module)
+      if own is not None:
+        for n in range(len(path) + 1):
+          axes.setdefault(path[:n], set()).add(own)
+    roots = {}
+    for path, module in sorted(modules, key=lambda pm: len(pm[0])):
+      found = axes.get(path, set())
+      if (len(found) == 1 and () not in found
+          and not isinstance(module, _CONTAINERS)
+          and not any(path[:n] in roots for n in range(len(path)))):
+        roots[path] = next(iter(found))
+    return cls(roots, {path_str(p): p for p, _ in modules})
+
+  def root(self, path: tuple) -> Optional[tuple]:
+    """The root of the stack `path` is in, or None."""
+    return next((r for r in self.roots if path[:len(r)] == r), None)
+
+  def blocks(self, path: tuple) -> list[tuple[tuple, tuple]]:
+    """``(block index, block path)`` per block; [] outside the stacks."""
+    root = self.root(path)
+    if root is None:
+      return []
+    return [(idx, root + idx + path[len(root):])
+            for idx in np.ndindex(*self.roots[root])]
+
+  def select(self, selector: Any, name: str, module: Any
+             ) -> list[tuple[str, Optional[tuple]]]:
+    """``(key, block index)`` of what `selector` picks of the module at
+    path `name`: the module (index None) or, in a stack, the blocks whose
+    block path it picks (all of them if it names the module's own path)."""
+    blocks = self.blocks(self.paths[name]) if name in self.paths else []
+    if not blocks:
+      return [(name, None)] if selector(name, module) else []
+    whole = name in selector.keys
+    return [(path_str(b), idx) for idx, b in blocks
+            if whole or selector(path_str(b), module)]
+
+  def stats(self, selector: Any, name: str, module: Any, values: list,
+            dtype: Any) -> dict[str, dict[str, jax.Array]]:
+    """``{key: tree_stats(values)}`` of what `selector` picks of the module
+    at `name`, per block in a stack (`values` then hold every block)."""
+    picked = self.select(selector, name, module)
+    stats = lambda vs: stats_lib.tree_stats(vs, dtype)
+    if not picked or picked[0][1] is None:
+      s = stats(values)
+      return {name: s} if picked and s is not None else {}
+    for _ in picked[0][1]:  # one vmap per stacked axis
+      stats = jax.vmap(stats)
+    s = stats(values)
+    return {} if s is None else {
+        key: {k: v[idx] for k, v in s.items()} for key, idx in picked}
+
+  def candidates(self, modules: Sequence[tuple[tuple, Any]]
+                 ) -> dict[str, Any]:
+    """``{path: module}`` of `modules` and of their block paths."""
+    out = {path_str(p): m for p, m in modules}
+    for p, m in modules:
+      out.update((path_str(b), m) for _, b in self.blocks(p))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Policies.
+
+
+def resolve(ruleset: rules_lib.RuleSet, modules: Sequence[tuple[tuple, Any]],
+            *, strict: bool, what: str) -> dict[tuple, rules_lib.Resolution]:
+  """Each module's resolution (parents first in `modules`); for a module of
+  a stack, that of its blocks, which must agree.
+
+  Raises:
+    ValueError: a module matches two rules of equal rank, rules decide the
+      blocks of a stack differently, or (if `strict`) a rule decides nothing.
+  """
+  stacks = Stacks.find(modules)
+  resolved, by_block, used = {}, {}, set()
+  for path, module in modules:
+    name, blocks = path_str(path), stacks.blocks(path)
+    if not blocks:
+      results = [rules_lib.resolve(ruleset, name, module,
+                                   resolved.get(path[:-1]) if path else None)]
+    else:
+      results = []
+      for _, block in blocks:
+        parent = (resolved.get(path[:-1]) if path in stacks.roots
+                  else by_block.get(block[:-1]))
+        by_block[block] = rules_lib.resolve(ruleset, path_str(block), module,
+                                            parent, aliases=(name,))
+        results.append(by_block[block])
+      if any(r.policy != results[0].policy for r in results):
+        raise ValueError(_mixed_blocks(stacks, path, blocks, results))
+    used.update(r.rule.key for r in results if r.source in ("rule",
+                                                             "default"))
+    resolved[path] = next((r for r in results if r.source == "rule"),
+                          results[0])
+  rules_lib.report_unmatched(ruleset, used,
+                             list(stacks.candidates(modules).items()),
+                             strict=strict, what=what)
+  return resolved
+
+
+def _mixed_blocks(stacks: Stacks, path: tuple, blocks: list,
+                  results: list) -> str:
+  """Why the blocks of a stack cannot take the policies the rules give."""
+  root = stacks.root(path)
+  groups: dict[str, list[str]] = {}
+  for (idx, _), res in zip(blocks, results):
+    rule = ("no rule" if res.rule is None else
+            f"rule {rules_lib.describe_key(res.rule.key)}"
+            + (" inherited" if res.source == "inherited" else ""))
+    groups.setdefault(f"{res.policy} ({rule})", []).append(path_str(idx))
+  every = path_str(root + ("*",) * len(stacks.roots[root]) + path[len(root):])
+  said = "; ".join(f"block{'s' if len(i) > 1 else ''} {', '.join(i)} -> {p}"
+                   for p, i in groups.items())
+  return (
+      f"jmp_amp.flax: the rules decide the blocks of the scanned stack "
+      f"{path_str(root) or '<root>'!r} ({len(blocks)} blocks stacked along "
+      f"leading axes {stacks.roots[root]}, run as one program by nnx.scan) "
+      f"differently at {path_str(path) or '<root>'!r}: {said}. One program "
+      f"runs every block of a stack, so its blocks take one policy: write "
+      f"the rule for every block ({every!r}, or {path_str(path)!r}), build "
+      f"the model with its blocks unstacked (e.g. GPT(..., "
+      f"scan_layers=False)), or split the stack into stacks whose blocks "
+      f"share a policy.")
+
+
+# --------------------------------------------------------------------------
+# Telemetry.
+
+
+class _BlockStats(nnx.Variable):
+  """Output statistics of a stacked module, one row per block."""
+
+
+_MARK = "_jmp_amp_stack_path"
+_STATS = "_jmp_amp_block_stats"
+
+
+class StackWatch:
+  """Marks on the stacked modules of a model while `watch` is active.
+
+  The copies of these modules that `nnx.scan` / `nnx.vmap` make inside
+  their traced body carry the marks: `path` names their module path, and
+  `record` writes the statistics of a selected module's output into its
+  `_BlockStats` variable, which the transform stacks, one row per block.
+  `close` reads them into ``{block path: stats}`` and removes the marks.
+  """
+
+  def __init__(self, model: nnx.Module, selector: Any):
+    modules = [(tuple(p), m) for p, m in nnx.iter_modules(model)]
+    self.stacks = Stacks.find(modules)
+    self.candidates = self.stacks.candidates(modules)
+    self.marked = []
+    for path, module in modules:
+      blocks = self.stacks.blocks(path)
+      if not blocks:
+        continue
+      setattr(module, _MARK, path_str(path))
+      picked = [] if selector is None else self.stacks.select(
+          selector, path_str(path), module)
+      initial = None
+      if picked:
+        # nonfinite = -1: no call recorded yet.
+        shape = self.stacks.roots[self.stacks.root(path)]
+        initial = jnp.full(shape + (len(stats_lib.STAT_NAMES),), -1.0)
+        setattr(module, _STATS, _BlockStats(initial))
+      self.marked.append((module, picked, initial))
+
+  @staticmethod
+  def path(obj: Any) -> Optional[str]:
+    """The module path a (copy of a) marked module stands for, or None."""
+    return vars(obj).get(_MARK) if isinstance(obj, nnx.Module) else None
+
+  @staticmethod
+  def record(module: Any, out: Any) -> None:
+    """Merges the statistics of `out` into `module`'s block row, if any."""
+    var = vars(module).get(_STATS)
+    new = None if var is None else stats_lib.tree_stats(out)
+    if new is None:
+      return
+    old = var.get_value()
+    old_stats = dict(zip(stats_lib.STAT_NAMES, jnp.moveaxis(old, -1, 0)))
+    merged = stats_lib.merge_stats(old_stats, new)
+    row = lambda s: jnp.stack([s[k] for k in stats_lib.STAT_NAMES], -1)
+    unset = old_stats["nonfinite"][..., None] < 0  # the block's first call
+    var.set_value(jnp.where(unset, row(new), row(merged)))
+
+  def close(self) -> dict[str, dict[str, jax.Array]]:
+    """The recorded rows by block path; removes the marks."""
+    out = {}
+    for module, picked, initial in self.marked:
+      var = vars(module).get(_STATS)
+      if var is not None:
+        delattr(module, _STATS)
+        rows = var.get_value()
+        if rows is not initial:  # the module was called
+          out.update((key, dict(zip(stats_lib.STAT_NAMES, rows[idx])))
+                     for key, idx in picked)
+      if _MARK in vars(module):
+        delattr(module, _MARK)
+    return out
