@@ -279,6 +279,22 @@ def test_tensor_stats_against_numpy():
     jmp_amp.numerics.tensor_stats(jnp.arange(3))
 
 
+def test_tree_stats_fractions_are_of_all_the_elements():
+  # A kernel of 99 zeros and 1 underflow, a bias of 3 normal values: the
+  # fractions are of the 103 elements, whatever the leaves' order or count
+  # (averaging the leaves' fractions would say 49.5% zeros).
+  from jmp_amp._src import tensor_stats as stats_lib
+  kernel = np.zeros(100, np.float32)
+  kernel[0] = 1e-6
+  bias = np.array([1.0, -2.0, np.inf], np.float32)
+  for tree in ({"k": kernel, "b": bias}, [bias, kernel[:50], kernel[50:]]):
+    s = jax.jit(lambda t: stats_lib.tree_stats(t, jnp.float16))(tree)
+    assert float(s["zeros"]) == pytest.approx(99 / 103)
+    assert float(s["underflow"]) == pytest.approx(1 / 103)
+    assert float(s["max_abs"]) == 2.0 and float(s["nonfinite"]) == 1
+  assert stats_lib.tree_stats({"i": jnp.arange(3)}) is None
+
+
 def test_watch_records_selected_module_outputs():
   model, _, (x, _) = _mlp()
   with fnum.watch(model, ["layers/1", nnx.Linear]) as seen:
