@@ -22,126 +22,14 @@ import dataclasses
 import math
 import numbers
 from typing import Any, Optional, TypeVar, Union
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_amp._src import scale_checks as checks
+
 T = TypeVar("T")
-
-_F32 = np.finfo(np.float32)
-_SCALE_HELP = (
-    "accepted: a real scalar (Python number or 0-d array) that is finite and "
-    f"> 0 within float32's normal range [{_F32.tiny:.7g}, {_F32.max:.7g}]; "
-    "typical values are 2**15 (DynamicLossScale) or 1 (no scaling)")
-
-
-def _describe(value: Any) -> str:
-  """The value, its type and shape, for error messages."""
-  if isinstance(value, jax.core.Tracer):
-    return f"a traced {value.dtype}{list(value.shape)} array"
-  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-    if np.ndim(value) == 0:
-      return f"{np.asarray(value).item()!r} ({value.dtype} scalar)"
-    return f"an array of shape {tuple(np.shape(value))} ({value.dtype})"
-  return f"{value!r} ({type(value).__name__})"
-
-
-def _is_abstract(value: Any) -> bool:
-  """Tracers and shape placeholders: their value cannot be checked."""
-  return isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct))
-
-
-def _bounds(dtype: Any) -> tuple[float, float]:
-  """The smallest and largest scale a `dtype` leaf may hold, as floats.
-
-  For floats, the normal range (a subnormal scale loses precision, and its
-  inverse overflows); for integers, 1 up to the largest value that survives a
-  round trip through float32, in which `adjust` computes.
-  """
-  dtype = np.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.floating):
-    info = jnp.finfo(dtype)
-    return float(info.tiny), float(info.max)
-  hi = np.float32(np.iinfo(dtype).max)
-  if float(hi) > np.iinfo(dtype).max:
-    hi = np.nextafter(hi, np.float32(0))
-  return 1.0, float(hi)
-
-
-def _check_scale_value(value: Any, name: str, *, allow_abstract: bool) -> None:
-  """Raises unless `value` is a finite positive real scalar in range.
-
-  Args:
-    value: a Python number or a scalar array (or, if `allow_abstract`, a tracer
-      or `jax.ShapeDtypeStruct`, whose shape and dtype only are checked).
-    name: how to name the value in messages ("DynamicLossScale.loss_scale").
-    allow_abstract: whether tracers and shape placeholders are accepted.
-  """
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (numbers.Real, np.ndarray, np.generic, jax.Array,
-              jax.ShapeDtypeStruct)):
-    raise TypeError(f"{name} must be a real number, got {_describe(value)}; "
-                    + _SCALE_HELP)
-  if isinstance(value, numbers.Real) and not isinstance(value, np.generic):
-    try:
-      v = float(value)
-    except OverflowError:  # An int too large for a float.
-      v = math.inf
-    lo, hi = float(_F32.tiny), float(_F32.max)
-  else:
-    if np.shape(value) != ():
-      raise ValueError(
-          f"{name} must be a scalar, got shape {tuple(np.shape(value))}: "
-          f"{_describe(value)}; " + _SCALE_HELP)
-    dtype = value.dtype
-    if not (jnp.issubdtype(dtype, jnp.floating)
-            or jnp.issubdtype(dtype, jnp.integer)):
-      raise TypeError(f"{name} must have a real (floating or integer) dtype, "
-                      f"got {_describe(value)}; " + _SCALE_HELP)
-    if _is_abstract(value):
-      if allow_abstract:
-        return
-      raise ValueError(f"{name} must be concrete here, got {_describe(value)}")
-    v = float(np.asarray(value))
-    stored = jax.dtypes.canonicalize_dtype(dtype)
-    if (jnp.issubdtype(dtype, jnp.integer) and stored != dtype
-        and float(np.asarray(value).astype(stored)) != v):
-      raise ValueError(
-          f"{name} {_describe(value)} does not fit {stored}, the dtype JAX "
-          f"stores a {dtype} in (64-bit types are off); pass a float, e.g. "
-          f"{v!r} or jnp.float32({v!r}); " + _SCALE_HELP)
-    lo, hi = _bounds(stored if jnp.issubdtype(dtype, jnp.integer) else dtype)
-    lo, hi = max(lo, float(_F32.tiny)), min(hi, float(_F32.max))
-  if not (math.isfinite(v) and lo <= v <= hi):
-    why = ""
-    if math.isfinite(v) and v > 0:
-      with np.errstate(over="ignore", under="ignore"):
-        why = f" (outside [{lo:.7g}, {hi:.7g}]: {np.float32(v)!r} in float32)"
-    raise ValueError(f"{name} must be a finite number > 0, got {v!r}{why}; "
-                     + _SCALE_HELP)
-
-
-def _concrete_number(value: Any) -> Optional[float]:
-  """A Python float for real numbers and concrete real scalar arrays, else None."""
-  if isinstance(value, (bool, np.bool_)) or _is_abstract(value):
-    return None
-  if isinstance(value, numbers.Real):
-    return float(value)
-  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-    if np.shape(value) == () and (jnp.issubdtype(value.dtype, jnp.floating)
-                                  or jnp.issubdtype(value.dtype, jnp.integer)):
-      return float(np.asarray(value))
-  return None
-
-
-def _warn_if_not_floating(x: Any, name: str) -> None:
-  # As jmp: an integer scale works (adjust keeps it integral), but warns.
-  dtype = getattr(x, "dtype", None)
-  if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
-    warnings.warn(f"Expected floating type for {name}, got {dtype}")
-
 
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
@@ -200,7 +88,7 @@ class StaticLossScale:
       raise ValueError(
           "StaticLossScale needs a concrete loss_scale (it is static data); "
           "use DynamicLossScale for a scale that is an array in your state.")
-    _check_scale_value(loss_scale, "StaticLossScale.loss_scale",
+    checks.check_scale_value(loss_scale, "StaticLossScale.loss_scale",
                        allow_abstract=False)
     object.__setattr__(self, "loss_scale", float(np.asarray(loss_scale)))
 
@@ -217,7 +105,7 @@ class StaticLossScale:
 
   def validate(self) -> StaticLossScale:
     """Returns self if its scale is valid (see the constructor), else raises."""
-    _check_scale_value(self.loss_scale, "StaticLossScale.loss_scale",
+    checks.check_scale_value(self.loss_scale, "StaticLossScale.loss_scale",
                        allow_abstract=False)
     return self
 
@@ -307,31 +195,31 @@ class DynamicLossScale:
                backoff_factor: Optional[float] = None,
                max_loss_scale: Optional[float] = None, hysteresis: int = 1,
                overflows: Any = None):
-    _check_scale_value(loss_scale, "DynamicLossScale.loss_scale",
+    checks.check_scale_value(loss_scale, "DynamicLossScale.loss_scale",
                        allow_abstract=True)
-    _warn_if_not_floating(loss_scale, "loss_scale")
-    _warn_if_not_floating(min_loss_scale, "min_loss_scale")
+    checks.warn_if_not_floating(loss_scale, "loss_scale")
+    checks.warn_if_not_floating(min_loss_scale, "min_loss_scale")
 
-    period_f = _concrete_number(period)
+    period_f = checks.concrete_number(period)
     if period_f is None or period_f != int(period_f) or period_f < 1:
       raise ValueError(f"period must be an integer >= 1, got {period!r}")
-    factor_f = _concrete_number(factor)
+    factor_f = checks.concrete_number(factor)
     if factor_f is None or not (math.isfinite(factor_f) and factor_f > 1):
       raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
-    min_f = _concrete_number(min_loss_scale)
+    min_f = checks.concrete_number(min_loss_scale)
     if min_f is None or not (math.isfinite(min_f) and min_f >= 0):
       raise ValueError(
           f"min_loss_scale must be a concrete finite number >= 0, got "
           f"{min_loss_scale!r}")
     if backoff_factor is not None:
-      b = _concrete_number(backoff_factor)
+      b = checks.concrete_number(backoff_factor)
       if b is None or not 0 < b < 1:
         raise ValueError(
             f"backoff_factor must be in (0, 1) (or None for 1/factor), got "
             f"{backoff_factor!r}")
       backoff_factor = b
     if max_loss_scale is not None:
-      m = _concrete_number(max_loss_scale)
+      m = checks.concrete_number(max_loss_scale)
       if m is None or not m > 0:
         raise ValueError(
             f"max_loss_scale must be a number > 0 or None, got {max_loss_scale!r}")
@@ -339,7 +227,7 @@ class DynamicLossScale:
         raise ValueError(
             f"min_loss_scale ({min_f}) must not exceed max_loss_scale ({m})")
       max_loss_scale = m
-    hyst = _concrete_number(hysteresis)
+    hyst = checks.concrete_number(hysteresis)
     if hyst is None or hyst != int(hyst) or hyst < 1:
       raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
 
@@ -371,23 +259,23 @@ class DynamicLossScale:
 
   def _check_leaves(self, allow_abstract: bool) -> None:
     """Range checks of the leaves against the static fields."""
-    _check_scale_value(self.loss_scale, "DynamicLossScale.loss_scale",
+    checks.check_scale_value(self.loss_scale, "DynamicLossScale.loss_scale",
                        allow_abstract=allow_abstract)
     for name, bound in (("counter", self.period),
                         ("overflows", self.hysteresis)):
       value = getattr(self, name)
       if name == "overflows" and self.hysteresis == 1:
         continue
-      if _is_abstract(value) and allow_abstract:
+      if checks.is_abstract(value) and allow_abstract:
         continue
-      v = _concrete_number(value)
+      v = checks.concrete_number(value)
       dtype = getattr(value, "dtype", None)
       if (v is None or v != int(v) or not 0 <= v < bound
           or (dtype is not None and not jnp.issubdtype(dtype, jnp.integer))):
         raise ValueError(
             f"DynamicLossScale.{name} must be an integer scalar in "
-            f"[0, {bound}), got {_describe(value)}")
-    scale = _concrete_number(self.loss_scale)
+            f"[0, {bound}), got {checks.describe(value)}")
+    scale = checks.concrete_number(self.loss_scale)
     if scale is None:
       return
     if scale < self.min_loss_scale:
@@ -447,7 +335,7 @@ class DynamicLossScale:
     scale = jnp.asarray(self.loss_scale)
     counter = jnp.asarray(self.counter)
     compute = jnp.promote_types(scale.dtype, jnp.float32)
-    lo, hi = _bounds(scale.dtype)
+    lo, hi = checks.bounds(scale.dtype)
     floor = min(max(self.min_loss_scale, lo), hi)
     cap = hi if self.max_loss_scale is None else min(self.max_loss_scale, hi)
     s = scale.astype(compute)
