@@ -61,17 +61,19 @@ def _random_bits16(seed: jax.Array, s1: jax.Array, x: jax.Array
 
   The element's index in the whole array (an iota, which XLA partitions like
   any other value) is what is hashed, so the bits do not depend on the
-  sharding. `jax.random.bits` would too (threefry), at many times the cost
-  of the rounding on a CPU (benchmarks/results/low_precision.json); rounding
-  needs uniform bits, not cryptographic ones. Hashing the value in too gives
-  each leaf its own bits from seeds shared by all leaves: every leaf of one
-  shape then compiles to the same kernel, which XLA compiles once (per-leaf
-  seeds, constants in each leaf's kernel, made every kernel distinct and a
-  GPT's 16-bit train step 2-3x slower to compile; issue #33). The bits stay
-  uniform for every value, since the seeds are.
+  sharding. Rounding needs bits that are uniform for each element, not
+  cryptographic ones: ``index * K1`` xor `seed`, a uniform word for each
+  element, times the odd `K2` (a bijection, so still uniform) xor the
+  value's bits and `s1`. Two multiplies per element: `jax.random.bits`
+  (threefry) costs many times the rounding, and so did two rounds of a full
+  32-bit mix in the compile time of a train step with hundreds of leaves.
+  Hashing the value in gives each leaf its own bits from seeds shared by all
+  leaves: nothing in a leaf's kernel is its own (per-leaf seed constants made
+  every kernel distinct and a GPT's 16-bit train step 2-3x slower to
+  compile; issue #33).
 
   Args:
-    seed, s1: uint32 scalars, hashed in before and between the two rounds.
+    seed, s1: uint32 scalars, uniform random words.
     x: the float32 values to round.
   """
   index = jnp.zeros(x.shape, jnp.uint32)
@@ -79,7 +81,8 @@ def _random_bits16(seed: jax.Array, s1: jax.Array, x: jax.Array
     index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(
         jnp.uint32, x.shape, dim)
   value = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  return _mix(_mix(index ^ seed) ^ value ^ s1) >> 16
+  word = ((index * jnp.uint32(0x9E3779B9)) ^ seed) * jnp.uint32(0x7FEB352D)
+  return (word ^ value ^ s1) >> 16
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
