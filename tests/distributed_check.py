@@ -178,7 +178,8 @@ def build(case):
                        num_layers=1, max_len=SEQ_LEN, rngs=rngs)
   if precision == "fp8":
     jmp_amp.flax.set_policies(model, jmp_amp.flax.fp8.FP8Policy(
-        jmp_amp.fp8.delayed_scaling(4), keep_first_last=False))
+        jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4),
+        keep_first_last=False))
     scale = jmp_amp.NoOpLossScale()
   elif precision == "fp16":
     jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("float16"))

@@ -603,8 +603,9 @@ def _fp8_model(recipe, seed=0):
 
 def _fp8_ops(model):
   nnx = pytest.importorskip("flax.nnx")
-  fp8_op = pytest.importorskip("jmp_amp.flax").fp8.FP8Op
-  return [op for _, op in nnx.iter_graph(model) if isinstance(op, fp8_op)]
+  meta = pytest.importorskip("jmp_amp.flax").fp8.FP8Meta
+  return [op for _, op in nnx.iter_graph(model)
+          if isinstance(getattr(op, "lhs_amax_history", None), meta)]
 
 
 DELAYED = jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4, margin=0)

@@ -225,7 +225,7 @@ def _as_policy(policy_or_dtype: Any
       raise ValueError(
           "autocast runs FP8 matmuls with current or rowwise scaling (it "
           "keeps no state between calls), got an FP8Recipe with "
-          "scaling='delayed'. For delayed scaling use 'float8' rules of "
+          "scaling='delayed'. For delayed scaling use an FP8Policy rule of "
           "jmp_amp.flax.set_policies (NNX) or jmp_amp.fp8.dot_general with "
           "an FP8State.")
     return Policy(_F32, recipe.compute_dtype, _F32), recipe
