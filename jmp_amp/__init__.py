@@ -27,7 +27,6 @@ from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
 from jmp_amp._src.scaling_state import get_scaling_state
 from jmp_amp._src.scaling_state import scaled_value_and_grad
-from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
 from jmp_amp.tools import gpu_report
@@ -53,7 +52,6 @@ __all__ = (
     "get_scaling_state",
     "loss_scaling",
     "scaled_value_and_grad",
-    "scaling_metrics",
     # Op-level autocast and half-precision matmuls with float32 results.
     "AutocastRules",
     "DEFAULT_AUTOCAST_RULES",

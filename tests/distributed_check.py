@@ -239,8 +239,11 @@ def make_step(model_name, precision, graphdef, opt):
           lambda p: loss_fn(nnx.merge(graphdef, p), batch))(opt_state, state)
       updates, opt_state = opt.update(grads, opt_state, state)
       state = optax.apply_updates(state, updates)
-    return state, opt_state, {"loss": loss,
-                              **jmp_amp.scaling_metrics(opt_state)}
+    scaling = jmp_amp.get_scaling_state(opt_state)
+    return state, opt_state, {
+        "loss": loss, "loss_scale": scaling.loss_scale.loss_scale,
+        "grads_finite": scaling.grads_finite,
+        "skipped_steps": scaling.skipped_steps, "steps": scaling.steps}
   return step
 
 

@@ -100,7 +100,7 @@ def make_step(opt, policy):
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return {"params": params, "opt_state": opt_state}, {
-        "loss": loss, **jmp_amp.scaling_metrics(opt_state)}
+        "loss": loss, **rh.scaling_metrics(opt_state)}
   return step
 
 

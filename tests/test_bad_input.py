@@ -299,9 +299,6 @@ LOSS_SCALING_CASES = {
     "get_scaling_state without scaling": (
         lambda: jmp_amp.get_scaling_state(optax.adam(1e-3).init(PARAMS)),
         ValueError, r"No loss_scaling state found in the optimizer state"),
-    "scaling_metrics without scaling": (
-        lambda: jmp_amp.scaling_metrics(optax.sgd(0.1).init(PARAMS)),
-        ValueError, r"No loss_scaling state found"),
     "scaling wrapped twice": (
         lambda: jmp_amp.get_scaling_state(
             optax.chain(_scaled(), _scaled()).init(PARAMS)),

@@ -67,6 +67,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaled_loss_fn
+from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
 from jmp_amp.flax import _step_checks
@@ -155,7 +156,7 @@ def _like(new: Any, old: Any) -> Any:
 
 
 def _metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
-  metrics = {"loss": loss, **jmp_amp.scaling_metrics(opt_state)}
+  metrics = {"loss": loss, **scaling_metrics(opt_state)}
   if has_aux:
     metrics["aux"] = aux
   return metrics
