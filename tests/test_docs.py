@@ -104,6 +104,8 @@ REMOVED_FROM = {
                      "FP8Meta", "FP8Op", "FP8Policy", "NORM_CLASSES",
                      "PolicyRules", "TrainState"),
     "jmp_amp.flax.fp8": ("FP8Recipe", "FP8State", "FP8Op"),
+    "jmp_amp.flax.numerics": ("find_nonfinite",),
+    "jmp_amp.numerics": ("NonFinite",),
 }
 # Blocks of pages kept by others that do not run as written yet, by page and
 # first line, with the reason. Strict: once such a block runs, its entry must

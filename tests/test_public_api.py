@@ -402,6 +402,8 @@ REMOVED = {
         "fp8_value_and_grad", "policied_apply", "policy_of", "set_fp8",
         "update_fp8_state"),
     "jmp_amp.fp8": ("delayed_scaling",),
+    "jmp_amp.numerics": ("NonFinite",),
+    "jmp_amp.flax.numerics": ("find_nonfinite",),
     "jmp_amp.flax.fp8": (
         "FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum", "FP8Op",
         "FP8Recipe", "FP8State", "clear_fp8", "delayed_scaling",

@@ -232,15 +232,14 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       (see `jmp_amp.flax.numerics`; print with
       `jmp_amp.numerics.format_stats`). None compiles exactly the step
       without it.
-    on_nonfinite: None, or a callable given a `jmp_amp.numerics.NonFinite`
-      (from `jmp_amp.flax.numerics.find_nonfinite`, with ``step``,
-      ``loss_scale`` and ``repeats`` filled in) for every distinct
-      non-finite event (e.g. ``print``): a site (op and module, or input)
-      not reported before; an inf/NaN in the inputs or the forward pass,
-      each time it starts a run of non-finite steps; and a run of
-      non-finite steps that persists for 8 steps (then 16, 32, ...) in
-      spite of the loss-scale backoffs. A routine backoff at a site already
-      reported is not reported again. When the op-by-op replay finds no
+    on_nonfinite: None, or a callable given the report of
+      `jmp_amp.numerics.find_nonfinite` (with ``step``, ``loss_scale`` and
+      ``repeats`` filled in) for every distinct non-finite event (e.g.
+      ``print``): a site (op and module, or input) not reported before; an
+      inf/NaN in the inputs or the forward pass, each time it starts a run
+      of non-finite steps; and a run of non-finite steps that persists for
+      8 steps (then 16, 32, ...) in spite of the loss-scale backoffs. A
+      routine backoff at a site already reported is not reported again. When the op-by-op replay finds no
       culprit, the report says so (``primitive="unknown"``); the callback
       never gets None. Costs one host read of ``grads_finite`` per step
       (the step waits for the device) and, on the 1st, 2nd, 4th, 8th...
