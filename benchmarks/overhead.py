@@ -37,7 +37,7 @@ Targets:
   full-size ``seed``); temp memory and bytes from XLA:GPU's compiled
   figures.
 * ``--target h100``: no timing. Compiles each step for an H100 on this
-  CPU-only machine (`jmp_amp.tools.gpu_report`'s compile-only target, the
+  CPU-only machine (`jmp_amp.gpu_report`'s compile-only target, the
   ``gpu-audit`` extra) and reports kernels, GEMMs, temp memory and an
   estimate of the bytes the kernels move: compiler facts, not timings.
   XLA's default options (Triton GEMMs, untuned since no GPU autotunes

@@ -29,8 +29,8 @@ from jmp_amp._src.scaling_state import get_scaling_state
 from jmp_amp._src.scaling_state import scaled_value_and_grad
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
-from jmp_amp.tools import gpu_report
-from jmp_amp.tools import matmul_report
+from jmp_amp.tools.audit import matmul_report
+from jmp_amp.tools.gpu_target import gpu_report
 
 __version__ = "0.1.0"
 

@@ -106,6 +106,7 @@ REMOVED_FROM = {
     "jmp_amp.flax.fp8": ("FP8Recipe", "FP8State", "FP8Op"),
     "jmp_amp.flax.numerics": ("find_nonfinite",),
     "jmp_amp.numerics": ("NonFinite",),
+    "jmp_amp.tools": ("MatmulRecord", "gpu_report", "matmul_report"),
 }
 # Blocks of pages kept by others that do not run as written yet, by page and
 # first line, with the reason. Strict: once such a block runs, its entry must

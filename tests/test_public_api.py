@@ -404,6 +404,7 @@ REMOVED = {
     "jmp_amp.fp8": ("delayed_scaling",),
     "jmp_amp.numerics": ("NonFinite",),
     "jmp_amp.flax.numerics": ("find_nonfinite",),
+    "jmp_amp.tools": ("MatmulRecord", "gpu_report", "matmul_report"),
     "jmp_amp.flax.fp8": (
         "FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum", "FP8Op",
         "FP8Recipe", "FP8State", "clear_fp8", "delayed_scaling",
