@@ -107,6 +107,7 @@ REMOVED_FROM = {
     "jmp_amp.flax.numerics": ("find_nonfinite",),
     "jmp_amp.numerics": ("NonFinite",),
     "jmp_amp.tools": ("MatmulRecord", "gpu_report", "matmul_report"),
+    "jmp_amp.optim": ("CompressedState", "LowPrecisionParamsState"),
 }
 # Blocks of pages kept by others that do not run as written yet, by page and
 # first line, with the reason. Strict: once such a block runs, its entry must
