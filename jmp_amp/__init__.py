@@ -11,7 +11,6 @@ from jmp_amp import fp8
 from jmp_amp import optim
 from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
-from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
@@ -54,7 +53,6 @@ __all__ = (
     "scaled_value_and_grad",
     # Op-level autocast and half-precision matmuls with float32 results.
     "AutocastRules",
-    "DEFAULT_AUTOCAST_RULES",
     "autocast",
     "conv_general_dilated",
     "dot_general",

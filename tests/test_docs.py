@@ -96,7 +96,7 @@ REMOVED = ("get_loss_scale", "set_fp8", "fp8_rules", "clear_fp8",
            "policy_of", "policied_apply", "fp8_value_and_grad",
            "update_fp8_state", "fp8_modules", "fp8_histories",
            "fp8_dot_general", "fp8_einsum", "fp8_conv_general_dilated",
-           "delayed_scaling", "scaling_metrics")
+           "delayed_scaling", "scaling_metrics", "DEFAULT_AUTOCAST_RULES")
 REMOVED_FROM = {
     "jmp_amp": ("FP8Recipe", "FP8State", "GpuReport", "MatmulRecord",
                 "MatmulReport"),

@@ -356,8 +356,8 @@ JMP_NAMES = ("DynamicLossScale", "LossScale", "NoOpLossScale", "Policy",
              "get_policy", "half_dtype", "select_tree")
 CORE_NAMES = JMP_NAMES + (
     "LossScalingState", "get_scaling_state", "loss_scaling",
-    "scaled_value_and_grad", "AutocastRules",
-    "DEFAULT_AUTOCAST_RULES", "autocast", "conv_general_dilated",
+    "scaled_value_and_grad", "AutocastRules", "autocast",
+    "conv_general_dilated",
     "dot_general", "gpu_report", "matmul_report")
 FLAX_NAMES = ("apply_with_policies", "cast_boundary", "clear_policies",
               "get_policies", "init_with_policies", "make_linen_train_step",
@@ -393,7 +393,8 @@ REMOVED = {
     "jmp_amp": (
         "FP8Recipe", "FP8State", "GpuReport", "MatmulRecord", "MatmulReport",
         "delayed_scaling", "fp8_conv_general_dilated", "fp8_dot_general",
-        "fp8_einsum", "get_loss_scale", "scaling_metrics"),
+        "fp8_einsum", "get_loss_scale", "scaling_metrics",
+        "DEFAULT_AUTOCAST_RULES"),
     "jmp_amp.flax": (
         "FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum", "FP8Meta",
         "FP8Op", "FP8Policy", "NORM_CLASSES", "PolicyRules", "TrainState",

@@ -33,7 +33,6 @@ from jmp_amp._src.autocast.casting import is_float
 from jmp_amp._src.autocast.casting import narrow
 from jmp_amp._src.autocast.casting import widest
 from jmp_amp._src.autocast.rules import AutocastRules
-from jmp_amp._src.autocast.rules import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.autocast.rules import PASSTHROUGH
 from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
@@ -336,7 +335,7 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
       "f8") or a current- or rowwise-scaling `jmp_amp.fp8.FP8Recipe`: FP8
       matmuls (see above; convolutions scale per tensor) with float32
       outputs.
-    rules: the `AutocastRules`; default `DEFAULT_AUTOCAST_RULES`.
+    rules: the `AutocastRules`; default ``AutocastRules()``, torch's.
 
   Returns:
     A function with the signature of `fn`.
@@ -351,7 +350,7 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
                     f"{type(fn).__name__}: {fn!r}")
   policy, fp8_recipe = _as_policy(policy_or_dtype)
   if rules is None:
-    rules = DEFAULT_AUTOCAST_RULES
+    rules = AutocastRules()
   elif not isinstance(rules, AutocastRules):
     raise TypeError(f"rules must be an AutocastRules, got {rules!r}")
   ctx = _Context(np.dtype(policy.compute_dtype), rules, fp8_recipe)
