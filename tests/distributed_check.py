@@ -420,7 +420,7 @@ def swapped_arrays(mesh, target):
     try:
       checkpoint.restore(os.path.join(base, "a"), t)
       errors.append(None)
-    except checkpoint.CheckpointCorruptedError as e:
+    except checkpoint.CheckpointError as e:
       errors.append({"message": str(e), "where": e.where, "step": e.step})
   write("swapped", {"errors": errors})
 

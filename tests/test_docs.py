@@ -96,7 +96,11 @@ REMOVED = ("get_loss_scale", "set_fp8", "fp8_rules", "clear_fp8",
            "policy_of", "policied_apply", "fp8_value_and_grad",
            "update_fp8_state", "fp8_modules", "fp8_histories",
            "fp8_dot_general", "fp8_einsum", "fp8_conv_general_dilated",
-           "delayed_scaling", "scaling_metrics", "DEFAULT_AUTOCAST_RULES")
+           "delayed_scaling", "scaling_metrics", "DEFAULT_AUTOCAST_RULES",
+           "CheckpointCorruptedError", "CheckpointExistsError",
+           "CheckpointFallbackWarning", "CheckpointMismatchError",
+           "InvalidFP8StateError", "InvalidLossScaleError", "check_compatible",
+           "check_loss_scales")
 REMOVED_FROM = {
     "jmp_amp": ("FP8Recipe", "FP8State", "GpuReport", "MatmulRecord",
                 "MatmulReport"),
@@ -108,6 +112,7 @@ REMOVED_FROM = {
     "jmp_amp.numerics": ("NonFinite",),
     "jmp_amp.tools": ("MatmulRecord", "gpu_report", "matmul_report"),
     "jmp_amp.optim": ("CompressedState", "LowPrecisionParamsState"),
+    "jmp_amp.checkpoint": ("PathLike", "describe"),
 }
 # Blocks of pages kept by others that do not run as written yet, by page and
 # first line, with the reason. Strict: once such a block runs, its entry must

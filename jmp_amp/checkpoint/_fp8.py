@@ -79,8 +79,8 @@ def _histories(tree: Any) -> list[tuple[str, Any]]:
 
 
 def check_histories(tree: Any) -> None:
-  """Raises `InvalidFP8StateError` if an amax history in `tree` holds a
-  value that is not finite and >= 0.
+  """Raises `CheckpointError` ("corrupted") if an amax history in `tree`
+  holds a value that is not finite and >= 0.
 
   Under delayed scaling a resumed run would scale its tensors by the largest
   amax of the history: an inf one quantizes them to zeros, a NaN one to NaN.
@@ -91,7 +91,7 @@ def check_histories(tree: Any) -> None:
     h = _nnx.host_value(history).reshape(-1)
     bad = np.flatnonzero(~(np.isfinite(h) & (h >= 0)))
     if bad.size:
-      raise _errors.InvalidFP8StateError(
+      raise _errors.corrupted(
           f"FP8 amax history {name} holds {float(h[bad[0]])!r} (index "
           f"{int(bad[0])}); amaxes must be finite and >= 0 (a damaged file, "
           "or a run whose amax overflowed was saved?)", where=name)
