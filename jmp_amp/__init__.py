@@ -5,6 +5,18 @@ optax transformation, op-level autocast and a matmul-dtype audit. FP8
 matmuls live in `jmp_amp.fp8`, 16-bit optimizer state and master weights in
 `jmp_amp.optim`, the report types in `jmp_amp.tools`. Flax
 integration lives in `jmp_amp.flax`, which this module does not import.
+
+Example (jmp's own names, as jmp code uses them):
+  >>> import jmp_amp as jmp
+  >>> params = {"w": jnp.ones(2), "step": jnp.int32(0)}
+  >>> half = jmp.cast_to_half(params)  # the floating leaves only
+  >>> half["w"].dtype == jmp.half_dtype(), half["step"].dtype
+  (True, dtype('int32'))
+  >>> jmp.cast_to_full(half)["w"].dtype
+  dtype('float32')
+  >>> loss_scale: jmp.LossScale = jmp.DynamicLossScale(jnp.float32(2 ** 15))
+  >>> isinstance(loss_scale, jmp.LossScale)  # one of the three classes
+  True
 """
 
 from jmp_amp import fp8

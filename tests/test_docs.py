@@ -483,7 +483,7 @@ def test_removed_names_are_found():
   assert not removed_names(
       "jmp_amp.fp8.FP8Recipe, jmp_amp.tools.GpuReport, "
       "jmp_amp.flax.fp8.FP8Policy, jmp_amp.fp8.FP8Recipe(history_len=16), "
-      "jmp_amp.flax.rules.PolicyRules, from jmp_amp.fp8 import FP8Recipe, "
+      "jmp_amp.flax.mixed_rules, from jmp_amp.fp8 import FP8Recipe, "
       "from jmp_amp.flax import fp8")
 
 

@@ -136,6 +136,14 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
 
   Yields:
     A `Seen` whose ``outputs`` fill up as the modules are called.
+
+  Example:
+    >>> import jmp_amp.flax.numerics as numerics
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> with numerics.watch(model, "**") as seen:  # "" is the root's path
+    ...   _ = model(jnp.ones((1, 2)))
+    >>> sorted(seen.outputs[""])
+    ['max_abs', 'nonfinite', 'underflow', 'zeros']
   """
   seen = Seen(_selector(select))
   if model is None:
@@ -197,6 +205,14 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
   (from `set_policies`; float32 without a policy): where these gradients
   lived before the cast to the param dtype. Gradients taken of a scaled
   loss are the scaled ones.
+
+  Example:
+    >>> import jmp_amp.flax.numerics as numerics
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+    >>> stats = numerics.grad_stats(model, grads, "**")
+    >>> sorted(stats), float(stats["layers/0"]["max_abs"])
+    (['layers/0'], 1.0)
 
   Args:
     model: the NNX model (None: `grads` is a linen params tree).

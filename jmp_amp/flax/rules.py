@@ -86,8 +86,6 @@ from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_core
 from jmp_amp.flax import _fp8 as fp8_lib
 
-__all__ = ("NORM_CLASSES", "PolicyRules", "mixed_rules")
-
 DEFAULT_KEY = "*"
 ROOT_KEY = ""
 
