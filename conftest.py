@@ -6,7 +6,14 @@ uses only these names, which every doctest gets without importing them:
 
   jax, jnp (jax.numpy), np (numpy), optax, nnx (flax.nnx), nn (flax.linen),
   jmp_amp.
+
+An example whose docstring says it "needs the ``gpu-audit`` extra" runs where
+the compile-only H100 target is there (the extra, and JAX_PLATFORMS=cpu on a
+machine without a GPU) and is skipped elsewhere, as the docs' ``requires
+gpu-audit`` blocks are.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,3 +36,22 @@ def _doctest_names(doctest_namespace):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   doctest_namespace.update(jax=jax, jnp=jnp, np=np, optax=optax, nnx=nnx,
                            nn=nn, jmp_amp=jmp_amp)
+
+
+@functools.cache
+def _no_h100_target() -> str:
+  """Why the compile-only H100 target is missing, or "" if it is there."""
+  from jmp_amp.tools import gpu_target  # pylint: disable=g-import-not-at-top
+  try:
+    gpu_target.target_device("h100")
+  except (ImportError, RuntimeError) as e:
+    return str(e)
+  return ""
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    dtest = getattr(item, "dtest", None)  # a doctest item
+    if (dtest is not None and "needs the ``gpu-audit`` extra"
+        in (dtest.docstring or "") and _no_h100_target()):
+      item.add_marker(pytest.mark.skip(reason=_no_h100_target()))

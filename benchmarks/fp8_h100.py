@@ -1,7 +1,7 @@
 """FP8 train steps compiled for an H100 without a GPU: which GEMMs run in FP8.
 
 Compiles the train steps of the reference MLP (PyTorch AMP recipe sizes) and
-GPT for an H100 without a GPU (`jmp_amp.tools.gpu_report`: the CUDA plugin's
+GPT for an H100 without a GPU (`jmp_amp.gpu_report`: the CUDA plugin's
 compile-only target, XLA's default options: GEMMs as Triton GEMM fusions or
 cuBLAS calls as XLA picks them, untuned since no GPU autotunes here), three
 ways, and lists the GEMMs of the optimized program with their operand dtypes
@@ -61,7 +61,6 @@ import jmp_amp
 import jmp_amp.flax
 from jmp_amp import models
 from jmp_amp.flax import fp8 as flax_fp8
-import jmp_amp.tools
 from jmp_amp.tools import gpu_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -205,9 +204,8 @@ def run_case(name: str, gemm: str = "default") -> dict:
     tx = jmp_amp.loss_scaling(tx, jmp_amp.NoOpLossScale())
   graphdef, state = _abstract(build, tx)
   make_step = _autocast_train_step if how == "autocast" else _train_step
-  report = jmp_amp.tools.gpu_report(make_step(loss), graphdef, state, batch,
-                                    static_argnums=0, donate_argnums=1,
-                                    gemm=gemm)
+  report = jmp_amp.gpu_report(make_step(loss), graphdef, state, batch,
+                              static_argnums=0, donate_argnums=1, gemm=gemm)
   # Fused attention calls (cuDNN) are no GEMMs: the attention stays half.
   gemms = [_gemm(r) for r in report.matmuls if r.kind != "attention"]
   sig = collections.Counter(f"{g['lhs']} x {g['rhs']} -> {g['out']}"
@@ -275,7 +273,7 @@ def main(argv=None):
              "gemm_options": gpu_target.GEMM_BACKENDS[args.gemm],
              "what": "GEMMs in the optimized XLA:GPU program of FP8 "
                      "train steps, compiled for an H100 SXM without a GPU "
-                     "(jmp_amp.tools.gpu_report, "
+                     "(jmp_amp.gpu_report, "
                      + ("XLA's default options: Triton GEMM fusions or "
                         "cuBLAS calls as XLA picks them, untuned since no "
                         "GPU autotunes here" if args.gemm == "default" else

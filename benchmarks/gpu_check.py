@@ -84,9 +84,8 @@ def _rules(mode):
   import jmp_amp
   import jmp_amp.flax as jflax
   if mode.get("fp8"):
-    recipe = {"current": jmp_amp.fp8.FP8Recipe(),
-              "delayed": jmp_amp.fp8.delayed_scaling(16),
-              "rowwise": jmp_amp.fp8.FP8Recipe(scaling="rowwise")}[mode["fp8"]]
+    recipe = jmp_amp.fp8.FP8Recipe(
+        scaling=mode["fp8"], history_len=16 if mode["fp8"] == "delayed" else 1)
     return jflax.mixed_rules() | {"*": jflax.fp8.FP8Policy(
         recipe, keep_first_last=mode.get("keep_first_last", True))}
   if mode.get("state16"):

@@ -37,7 +37,7 @@ Targets:
   full-size ``seed``); temp memory and bytes from XLA:GPU's compiled
   figures.
 * ``--target h100``: no timing. Compiles each step for an H100 on this
-  CPU-only machine (`jmp_amp.tools.gpu_report`'s compile-only target, the
+  CPU-only machine (`jmp_amp.gpu_report`'s compile-only target, the
   ``gpu-audit`` extra) and reports kernels, GEMMs, temp memory and an
   estimate of the bytes the kernels move: compiler facts, not timings.
   XLA's default options (Triton GEMMs, untuned since no GPU autotunes
@@ -699,10 +699,9 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
   elif variant == "telemetry":
     numerics = "**"
   elif variant.startswith("fp8"):
-    recipe = {"fp8 current": jmp_amp.fp8.FP8Recipe(),
-              "fp8 delayed": jmp_amp.fp8.delayed_scaling(16),
-              "fp8 rowwise": jmp_amp.fp8.FP8Recipe(scaling="rowwise")}[variant]
-    rules = {"*": recipe}
+    scaling = variant.removeprefix("fp8 ")
+    rules = {"*": jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(
+        scaling=scaling, history_len=16 if scaling == "delayed" else 1))}
   elif variant not in ("bf16", "by hand (plain adamw)"):
     raise ValueError(f"unknown variant {variant!r}")
   jmp_amp.flax.set_policies(model, rules, example_args=(tokens,))

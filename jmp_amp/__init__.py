@@ -5,13 +5,24 @@ optax transformation, op-level autocast and a matmul-dtype audit. FP8
 matmuls live in `jmp_amp.fp8`, 16-bit optimizer state and master weights in
 `jmp_amp.optim`, the report types in `jmp_amp.tools`. Flax
 integration lives in `jmp_amp.flax`, which this module does not import.
+
+Example (jmp's own names, as jmp code uses them):
+  >>> import jmp_amp as jmp
+  >>> params = {"w": jnp.ones(2), "step": jnp.int32(0)}
+  >>> half = jmp.cast_to_half(params)  # the floating leaves only
+  >>> half["w"].dtype == jmp.half_dtype(), half["step"].dtype
+  (True, dtype('int32'))
+  >>> jmp.cast_to_full(half)["w"].dtype
+  dtype('float32')
+  >>> loss_scale: jmp.LossScale = jmp.DynamicLossScale(jnp.float32(2 ** 15))
+  >>> isinstance(loss_scale, jmp.LossScale)  # one of the three classes
+  True
 """
 
 from jmp_amp import fp8
 from jmp_amp import optim
 from jmp_amp._src.autocast import autocast
 from jmp_amp._src.autocast import AutocastRules
-from jmp_amp._src.autocast import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.dtypes import half_dtype
 from jmp_amp._src.loss_scale import DynamicLossScale
 from jmp_amp._src.loss_scale import LossScale
@@ -27,11 +38,10 @@ from jmp_amp._src.scaling import loss_scaling
 from jmp_amp._src.scaling import LossScalingState
 from jmp_amp._src.scaling_state import get_scaling_state
 from jmp_amp._src.scaling_state import scaled_value_and_grad
-from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import all_finite
 from jmp_amp._src.tree import select_tree
-from jmp_amp.tools import gpu_report
-from jmp_amp.tools import matmul_report
+from jmp_amp.tools.audit import matmul_report
+from jmp_amp.tools.gpu_target import gpu_report
 
 __version__ = "0.1.0"
 
@@ -53,10 +63,8 @@ __all__ = (
     "get_scaling_state",
     "loss_scaling",
     "scaled_value_and_grad",
-    "scaling_metrics",
     # Op-level autocast and half-precision matmuls with float32 results.
     "AutocastRules",
-    "DEFAULT_AUTOCAST_RULES",
     "autocast",
     "conv_general_dilated",
     "dot_general",

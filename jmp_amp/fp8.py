@@ -3,29 +3,29 @@
 The building blocks, for code that calls matmuls itself: `dot_general`,
 `einsum` and `conv_general_dilated` take the arguments of their `jax.lax` /
 `jax.numpy` namesakes plus an `FP8Recipe` (current scaling by default,
-`delayed_scaling`, or ``FP8Recipe(scaling="rowwise")`` for `dot_general`)
-and, for delayed scaling, the amax histories (`FP8State`) the training loop
-carries. Their GEMMs take the FP8 tensors themselves, so that XLA:GPU on
-Hopper runs FP8 GEMMs under its default options (Triton) and with cuBLAS,
-and cuDNN FP8 convolutions; elsewhere they compute with the FP8-rounded
-values, so the numerics are FP8's on every backend.
+``FP8Recipe(scaling="delayed", history_len=16)``, or
+``FP8Recipe(scaling="rowwise")`` for `dot_general`) and, for delayed
+scaling, the amax histories (`FP8State`) the training loop carries. Their
+GEMMs take the FP8 tensors themselves, so that XLA:GPU on Hopper runs FP8
+GEMMs under its default options (Triton) and with cuBLAS, and cuDNN FP8
+convolutions; elsewhere they compute with the FP8-rounded values, so the
+numerics are FP8's on every backend.
 
 Flax models get FP8 through a rule value of `jmp_amp.flax.set_policies`
-(``"float8"`` or an `FP8Recipe`), plain functions through
-``jmp_amp.autocast(fn, "float8")``.
+(``"float8"``, or ``jmp_amp.flax.fp8.FP8Policy(recipe)``), plain functions
+through ``jmp_amp.autocast(fn, "float8")``.
 
 Example:
   >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
   >>> jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ()))).dtype
   dtype(bfloat16)
-  >>> recipe = jmp_amp.fp8.delayed_scaling(history_len=4)
+  >>> recipe = jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4)
   >>> state = jmp_amp.fp8.FP8State(*(jnp.zeros(4) for _ in range(3)))
   >>> y = jmp_amp.fp8.einsum("ab,bc->ac", x, w, state=state, recipe=recipe)
   >>> y.tolist()[0]
   [1.5, 1.5, 1.5, 1.5]
 """
 
-from jmp_amp._src.fp8 import delayed_scaling
 from jmp_amp._src.fp8 import FP8Recipe
 from jmp_amp._src.fp8 import FP8State
 from jmp_amp._src.fp8_ops import conv_general_dilated
@@ -36,7 +36,6 @@ __all__ = (
     "FP8Recipe",
     "FP8State",
     "conv_general_dilated",
-    "delayed_scaling",
     "dot_general",
     "einsum",
 )

@@ -20,15 +20,7 @@ Example (Adam, bfloat16 params and moments: 6 bytes per parameter instead of
 """
 
 from jmp_amp._src.low_precision import compress_state
-from jmp_amp._src.low_precision import CompressedState
 from jmp_amp._src.low_precision import low_precision_params
-from jmp_amp._src.low_precision import LowPrecisionParamsState
 from jmp_amp._src.low_precision import stochastic_round
 
-__all__ = (
-    "CompressedState",
-    "LowPrecisionParamsState",
-    "compress_state",
-    "low_precision_params",
-    "stochastic_round",
-)
+__all__ = ("compress_state", "low_precision_params", "stochastic_round")

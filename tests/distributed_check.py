@@ -178,7 +178,8 @@ def build(case):
                        num_layers=1, max_len=SEQ_LEN, rngs=rngs)
   if precision == "fp8":
     jmp_amp.flax.set_policies(model, jmp_amp.flax.fp8.FP8Policy(
-        jmp_amp.fp8.delayed_scaling(4), keep_first_last=False))
+        jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4),
+        keep_first_last=False))
     scale = jmp_amp.NoOpLossScale()
   elif precision == "fp16":
     jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules("float16"))
@@ -238,8 +239,11 @@ def make_step(model_name, precision, graphdef, opt):
           lambda p: loss_fn(nnx.merge(graphdef, p), batch))(opt_state, state)
       updates, opt_state = opt.update(grads, opt_state, state)
       state = optax.apply_updates(state, updates)
-    return state, opt_state, {"loss": loss,
-                              **jmp_amp.scaling_metrics(opt_state)}
+    scaling = jmp_amp.get_scaling_state(opt_state)
+    return state, opt_state, {
+        "loss": loss, "loss_scale": scaling.loss_scale.loss_scale,
+        "grads_finite": scaling.grads_finite,
+        "skipped_steps": scaling.skipped_steps, "steps": scaling.steps}
   return step
 
 
@@ -416,7 +420,7 @@ def swapped_arrays(mesh, target):
     try:
       checkpoint.restore(os.path.join(base, "a"), t)
       errors.append(None)
-    except checkpoint.CheckpointCorruptedError as e:
+    except checkpoint.CheckpointError as e:
       errors.append({"message": str(e), "where": e.where, "step": e.step})
   write("swapped", {"errors": errors})
 

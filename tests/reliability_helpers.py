@@ -123,7 +123,7 @@ def make_train_step(opt, policy=F16, *, fault_key: Optional[jax.Array] = None,
       grads = jt.inject_nonfinite(grads, step, grad_faults, key, kind=kind)
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, **jmp_amp.scaling_metrics(opt_state)}
+    metrics = {"loss": loss, **scaling_metrics(opt_state)}
     return {"params": params, "opt_state": opt_state}, metrics
 
   return train_step
@@ -176,3 +176,12 @@ def simulate_dynamic_scale(finite: np.ndarray, init: float, period: int,
       scale, counter = max(scale / factor, 1.0), 0
     out.append(scale)
   return np.asarray(out)
+
+
+def scaling_metrics(opt_state: Any) -> dict[str, Any]:
+  """The loss-scaling values of `jmp_amp.get_scaling_state`, as the metrics
+  of `jmp_amp.flax.make_train_step` hold them."""
+  state = jmp_amp.get_scaling_state(opt_state)
+  return {"loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
+          "grads_finite": state.grads_finite,
+          "skipped_steps": state.skipped_steps, "steps": state.steps}

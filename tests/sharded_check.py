@@ -100,7 +100,7 @@ def make_step(opt, policy):
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return {"params": params, "opt_state": opt_state}, {
-        "loss": loss, **jmp_amp.scaling_metrics(opt_state)}
+        "loss": loss, **rh.scaling_metrics(opt_state)}
   return step
 
 
@@ -305,7 +305,8 @@ def check_fp8(results, mesh):
 
   model = models.MLP(16, 4, num_layers=3, width=32, rngs=nnx.Rngs(0))
   jmp_amp.flax.set_policies(model, jmp_amp.flax.fp8.FP8Policy(
-      jmp_amp.fp8.delayed_scaling(4), keep_first_last=False))
+      jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4),
+      keep_first_last=False))
   opt = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
 

@@ -136,7 +136,7 @@ def test_autocast_runs_jitted_attention_on_half_inputs(is_causal, half):
 def test_autocast_attention_rule_float32_and_none():
   q, k, v = _qkv()
   f = functools.partial(dpa, is_causal=True)
-  rules = jmp_amp.DEFAULT_AUTOCAST_RULES
+  rules = jmp_amp.AutocastRules()
   policy = jmp_amp.Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16)
   as_f32 = jmp_amp.autocast(f, "p=f32,c=bf16,o=f32",
                             rules=rules.with_float32("dot_product_attention"))

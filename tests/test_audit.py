@@ -11,7 +11,7 @@ import pytest
 
 import jmp_amp
 from jmp_amp import matmul_report
-from jmp_amp.tools import MatmulRecord
+from jmp_amp.tools.report import MatmulRecord
 from jmp_amp.tools import MatmulReport
 
 BF16 = jnp.bfloat16

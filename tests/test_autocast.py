@@ -528,7 +528,7 @@ def test_fn_is_traced_once_per_call(policy, grad):
 
 
 def test_default_rules():
-  rules = jmp_amp.DEFAULT_AUTOCAST_RULES
+  rules = jmp_amp.AutocastRules()
   # dot_product_attention: a jitted jax.nn.dot_product_attention call
   # (tests/test_attention.py).
   assert rules.half == {"dot_general", "conv_general_dilated",
@@ -547,7 +547,7 @@ def test_default_rules():
 def test_editing_rules_changes_behaviour():
   f = lambda x, w: jnp.tanh(jnp.exp(x @ w))
   x, w = jnp.ones((2, 3)), jnp.ones((3, 3)) * 0.1
-  rules = jmp_amp.DEFAULT_AUTOCAST_RULES.with_half("exp").with_float32(lax.tanh_p)
+  rules = jmp_amp.AutocastRules().with_half("exp").with_float32(lax.tanh_p)
   assert rules.rule_for("exp") == "half" and rules.rule_for("tanh") == "float32"
   jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, MIXED_BF16, rules=rules))(x, w)
   assert dtypes_of(jaxpr, "exp") == [[BF16]]
@@ -561,14 +561,19 @@ def test_editing_rules_changes_behaviour():
       f, MIXED_BF16, rules=rules.with_float32("dot_general")))(x, w)
   assert dtypes_of(jaxpr, "dot_general") == [[F32, F32]]
   # The default rules are untouched.
-  assert jmp_amp.DEFAULT_AUTOCAST_RULES.rule_for("exp") == "float32"
+  assert jmp_amp.AutocastRules().rule_for("exp") == "float32"
 
 
 def test_rules_are_hashable_data():
-  rules = jmp_amp.AutocastRules(half={"dot_general"}, float32=["exp"])
-  assert rules == jmp_amp.AutocastRules(half=("dot_general",), float32={"exp"})
+  rules = jmp_amp.AutocastRules(half={"dot_general"}, float32=["exp"],
+                                keep_half=(), promote=())
+  assert rules == jmp_amp.AutocastRules(half=("dot_general",), float32={"exp"},
+                                        keep_half=[], promote=set())
   assert hash(rules) == hash(rules.with_half("dot_general"))
   assert rules.promote == frozenset()
+  # A list not given keeps its default.
+  only = jmp_amp.AutocastRules(float32=["exp"])
+  assert only.float32 == {"exp"} and only.half == jmp_amp.AutocastRules().half
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -577,10 +582,13 @@ def test_rules_are_hashable_data():
     (lambda r: r.with_promote("convert_element_type"), "cannot be put"),
     (lambda r: jmp_amp.AutocastRules(half={"exp"}, float32={"exp"}),
      "'exp' is on both"),
+    (lambda r: jmp_amp.AutocastRules(float32={"dot_general"}),
+     r"'dot_general' is on both the 'half' and the 'float32' autocast lists "
+     r"\(a list not given keeps its default; AutocastRules\(\).with_<list>"),
 ])
 def test_rule_errors(edit, match):
   with pytest.raises(ValueError, match=match):
-    edit(jmp_amp.DEFAULT_AUTOCAST_RULES)
+    edit(jmp_amp.AutocastRules())
 
 
 # ---- Errors. ---------------------------------------------------------------
@@ -845,7 +853,7 @@ def test_keep_half_add_saturates(mask_value):
 def test_keep_half_rule_is_editable(mlp):
   jaxpr = jax.make_jaxpr(jmp_amp.autocast(mlp_loss, MIXED_BF16))(*mlp)
   assert [d[0] for d in dtypes_of(jaxpr, "add")][:2] == [BF16, BF16]
-  rules = jmp_amp.DEFAULT_AUTOCAST_RULES.with_promote("add")
+  rules = jmp_amp.AutocastRules().with_promote("add")
   assert rules.rule_for("add") == "promote" and not rules.keep_half
   jaxpr = jax.make_jaxpr(jmp_amp.autocast(mlp_loss, MIXED_BF16, rules=rules))(
       *mlp)
@@ -855,6 +863,6 @@ def test_keep_half_rule_is_editable(mlp):
   # keep_half on mul: a float32 scale keeps a half matmul result half.
   f = lambda x, w, s: (x @ w) * s
   x, w, s = jnp.ones((2, 3)), jnp.ones((3, 3)), jnp.ones(3)
-  rules = jmp_amp.DEFAULT_AUTOCAST_RULES.with_keep_half("mul")
+  rules = jmp_amp.AutocastRules().with_keep_half("mul")
   jaxpr = jax.make_jaxpr(jmp_amp.autocast(f, MIXED_BF16, rules=rules))(x, w, s)
   assert dtypes_of(jaxpr, "mul") == [[BF16, BF16]]

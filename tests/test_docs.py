@@ -97,14 +97,24 @@ REQUIREMENTS = {
 REMOVED = ("get_loss_scale", "set_fp8", "fp8_rules", "clear_fp8",
            "policy_of", "policied_apply", "fp8_value_and_grad",
            "update_fp8_state", "fp8_modules", "fp8_histories",
-           "fp8_dot_general", "fp8_einsum", "fp8_conv_general_dilated")
+           "fp8_dot_general", "fp8_einsum", "fp8_conv_general_dilated",
+           "delayed_scaling", "scaling_metrics", "DEFAULT_AUTOCAST_RULES",
+           "CheckpointCorruptedError", "CheckpointExistsError",
+           "CheckpointFallbackWarning", "CheckpointMismatchError",
+           "InvalidFP8StateError", "InvalidLossScaleError", "check_compatible",
+           "check_loss_scales")
 REMOVED_FROM = {
     "jmp_amp": ("FP8Recipe", "FP8State", "GpuReport", "MatmulRecord",
-                "MatmulReport", "delayed_scaling"),
+                "MatmulReport"),
     "jmp_amp.flax": ("FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum",
                      "FP8Meta", "FP8Op", "FP8Policy", "NORM_CLASSES",
                      "PolicyRules", "TrainState"),
-    "jmp_amp.flax.fp8": ("FP8Recipe", "FP8State", "delayed_scaling"),
+    "jmp_amp.flax.fp8": ("FP8Recipe", "FP8State", "FP8Op"),
+    "jmp_amp.flax.numerics": ("find_nonfinite",),
+    "jmp_amp.numerics": ("NonFinite",),
+    "jmp_amp.tools": ("MatmulRecord", "gpu_report", "matmul_report"),
+    "jmp_amp.optim": ("CompressedState", "LowPrecisionParamsState"),
+    "jmp_amp.checkpoint": ("PathLike", "describe"),
 }
 # The bench's modes before they took their policies' names (issue 36): bf16,
 # fp16 and fp8 are dtypes too, so those are caught where they name a mode.
@@ -486,8 +496,8 @@ def test_removed_names_are_found():
   # Their current homes are fine.
   assert not removed_names(
       "jmp_amp.fp8.FP8Recipe, jmp_amp.tools.GpuReport, "
-      "jmp_amp.flax.fp8.FP8Policy, jmp_amp.fp8.delayed_scaling(16), "
-      "jmp_amp.flax.rules.PolicyRules, from jmp_amp.fp8 import FP8Recipe, "
+      "jmp_amp.flax.fp8.FP8Policy, jmp_amp.fp8.FP8Recipe(history_len=16), "
+      "jmp_amp.flax.mixed_rules, from jmp_amp.fp8 import FP8Recipe, "
       "from jmp_amp.flax import fp8")
 
 

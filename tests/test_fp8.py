@@ -21,6 +21,7 @@ import jmp_amp
 import jmp_amp.flax
 from jmp_amp._src import fp8
 from jmp_amp._src import fp8_ops
+from jmp_amp.flax import _fp8 as fp8_layers
 from jmp_amp.flax import fp8 as flax_fp8
 import models
 
@@ -150,7 +151,7 @@ def test_current_scaling_uses_this_steps_amax():
 
 
 def test_delayed_scaling_uses_history_max_and_saturates_new_outliers():
-  recipe = fp8.delayed_scaling(history_len=3)
+  recipe = fp8.FP8Recipe(scaling="delayed", history_len=3)
   history = jnp.array([2.0, 4.0, 1.0])
   x = jnp.array([100.0, -3.0, 1.0])
   scale, new_history = fp8.scale_of(x, history, E4M3, recipe)
@@ -281,7 +282,7 @@ def test_histories_arrive_as_gradients():
   x = jnp.array([[1.0, -2.0], [0.5, 0.25]])
   w = jnp.array([[3.0], [-1.0]])
   for recipe in (fp8.FP8Recipe(history_len=2),
-                 fp8.delayed_scaling(history_len=2)):
+                 fp8.FP8Recipe(scaling="delayed", history_len=2)):
     state = fp8.FP8State(jnp.array([9.0, 8.0]), jnp.array([7.0, 6.0]),
                          jnp.array([5.0, 4.0]))
 
@@ -335,7 +336,7 @@ def test_overflowing_gradient_stays_nonfinite_and_spares_history():
   """An inf cotangent reaches loss_scaling's finite check; no inf amax kept."""
   x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
   state = fp8.FP8State(*(jnp.array([1.0, 2.0]),) * 3)
-  recipe = fp8.delayed_scaling(history_len=2)
+  recipe = fp8.FP8Recipe(scaling="delayed", history_len=2)
   _, vjp = jax.vjp(lambda a, b, s: jmp_amp.fp8.dot_general(
       a, b, MATMUL, state=s, recipe=recipe), x, w, state)
   g = jnp.array([[1.0, jnp.inf], [1.0, 1.0]], jnp.bfloat16)
@@ -361,11 +362,11 @@ def test_autocast_entry_point_takes_equation_params():
 def test_bad_arguments_raise_clear_errors():
   with pytest.raises(ValueError, match="delayed scaling needs state="):
     jmp_amp.fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
-                        recipe=fp8.delayed_scaling())
+                        recipe=fp8.FP8Recipe(scaling="delayed", history_len=16))
   with pytest.raises(ValueError, match=r"state.lhs must have shape \(4,\)"):
     jmp_amp.fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), MATMUL,
                         state=fp8.init_state(fp8.FP8Recipe()),
-                        recipe=fp8.delayed_scaling(history_len=4))
+                        recipe=fp8.FP8Recipe(scaling="delayed", history_len=4))
   with pytest.raises(TypeError, match="floating operands.*int32"):
     jmp_amp.fp8.dot_general(jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2)),
                             MATMUL)
@@ -485,7 +486,8 @@ class _NamedAgainstCallOrder(nnx.Module):
     return self.a_last(jax.nn.relu(self.m_middle(self.z_first(x))))
 
 
-@pytest.mark.parametrize("rules", ["float8", {"*": fp8.delayed_scaling(2)}])
+@pytest.mark.parametrize("rules", ["float8", {"*": flax_fp8.FP8Policy(
+    fp8.FP8Recipe(scaling="delayed", history_len=2))}])
 def test_first_and_last_are_by_call_order(rules):
   build = lambda: _NamedAgainstCallOrder(nnx.Rngs(0))
   x = jax.ShapeDtypeStruct((3, 4), jnp.float32)
@@ -546,15 +548,16 @@ def test_fp8_rules_that_convert_nothing_warn_why(build, rules, why):
 
 
 def test_fp8_module_knobs_state_and_clear():
-  rules = {"layers/3": "float32", "*": fp8.delayed_scaling(history_len=5)}
+  delayed = flax_fp8.FP8Policy(fp8.FP8Recipe(scaling="delayed", history_len=5))
+  rules = {"layers/3": "float32", "*": delayed}
   model = jmp_amp.flax.set_policies(_mlp(), rules)
   layer = model.layers[1]
-  assert isinstance(layer.dot_general, flax_fp8.FP8Op)
-  assert isinstance(layer.dot_general, flax_fp8.FP8DotGeneral)
+  assert isinstance(layer.dot_general, fp8_layers.FP8Op)
+  assert isinstance(layer.dot_general, fp8_layers.FP8DotGeneral)
   assert layer.dtype == jnp.bfloat16
   assert layer.kernel[...].dtype == jnp.float32  # master weights
   policy = jmp_amp.flax.get_policies(layer)[""]
-  assert policy == flax_fp8.FP8Policy(fp8.delayed_scaling(history_len=5))
+  assert policy == delayed
   meta = nnx.state(model, flax_fp8.FP8Meta)
   assert jax.tree_util.tree_map(jnp.shape, nnx.to_pure_dict(meta)) == {
       "layers": {i: {"dot_general": {f"{t}_amax_history": (5,)
@@ -627,13 +630,14 @@ def test_fp8_rules_name_embeddings_and_norms_only_to_raise():
      ["blocks/0/attn/proj", "blocks/0/mlp/fc", "blocks/0/mlp/out",
       "blocks/1/attn/proj", "blocks/1/attn/qkv", "blocks/1/mlp/fc"]),
 ])
-@pytest.mark.parametrize("recipe", [None, fp8.delayed_scaling(history_len=3)])
-def test_mixed_rules_with_an_fp8_default(build, example, want, recipe):
-  rules = jmp_amp.flax.mixed_rules() | {"*": recipe or "float8"}
+@pytest.mark.parametrize("rule", ["float8", flax_fp8.FP8Policy(
+    fp8.FP8Recipe(scaling="delayed", history_len=3))])
+def test_mixed_rules_with_an_fp8_default(build, example, want, rule):
+  rules = jmp_amp.flax.mixed_rules() | {"*": rule}
   model = jmp_amp.flax.set_policies(build(), rules, example_args=example)
   paths = _fp8_paths(model)
   assert paths == want
-  history_len = 3 if recipe else 1
+  history_len = 1 if rule == "float8" else 3
   shapes = jax.tree_util.tree_map(
       jnp.shape, nnx.to_pure_dict(nnx.state(model, flax_fp8.FP8Meta)))
   leaves = jax.tree_util.tree_leaves(
@@ -641,7 +645,8 @@ def test_mixed_rules_with_an_fp8_default(build, example, want, recipe):
   assert leaves == [(history_len,)] * (3 * len(want))  # lhs, rhs, grad
   for path, policy in jmp_amp.flax.get_policies(model).items():
     if path in paths:
-      assert policy == flax_fp8.FP8Policy(recipe), path
+      assert policy == (flax_fp8.FP8Policy() if rule == "float8" else rule), (
+          path)
     elif policy is not None:
       assert isinstance(policy, jmp_amp.Policy), (path, policy)
 
@@ -706,19 +711,27 @@ def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
 
 
 def test_fp8_policy_spellings_and_bad_values():
-  policy = flax_fp8.FP8Policy(fp8.delayed_scaling(8), keep_first_last=False,
-                              param_dtype="bf16")
+  policy = flax_fp8.FP8Policy(
+      fp8.FP8Recipe(scaling="delayed", history_len=8), keep_first_last=False,
+      param_dtype="bf16")
   assert str(policy) == ("float8(delayed, history_len=8, "
                          "keep_first_last=False, param_dtype=bf16)")
   assert str(policy.policy) == "p=bf16,c=bf16,o=bf16"
-  for value in ("float8", "FP8", fp8.FP8Recipe(), flax_fp8.FP8Policy()):
+  for value in ("float8", "FP8", flax_fp8.FP8Policy()):
     model = jmp_amp.flax.set_policies(_mlp(), {"*": value})
     assert _fp8_paths(model) == ["layers/1", "layers/2"]
+  # The one FP8 rule value type is FP8Policy: a bare recipe is refused.
+  for rules in ({"*": fp8.FP8Recipe()}, fp8.FP8Recipe()):
+    with pytest.raises(TypeError, match=r"Rule '\*' has a jmp_amp.fp8."
+                       r"FP8Recipe as its value; .* write jmp_amp.flax.fp8."
+                       r"FP8Policy\(recipe\), or 'float8'"):
+      jmp_amp.flax.set_policies(_mlp(), rules)
   model = jmp_amp.flax.set_policies(_mlp(), policy)
   assert len(flax_fp8.histories(model)) == 4
   assert model.layers[0].kernel[...].dtype == jnp.bfloat16
-  with pytest.raises(TypeError, match="recipe must be an FP8Recipe"):
-    flax_fp8.FP8Policy("sometimes")
+  for recipe in ("sometimes", "delayed", None):
+    with pytest.raises(TypeError, match="recipe must be a jmp_amp.fp8.FP8R"):
+      flax_fp8.FP8Policy(recipe)
   with pytest.raises(TypeError, match="keep_first_last must be a bool"):
     flax_fp8.FP8Policy(keep_first_last="yes")
 
@@ -747,13 +760,13 @@ def test_einsum_and_conv_run_in_fp8(make, x_shape):
                   jnp.float32)
   ref_module = make()
   module = make()
-  recipe = fp8.delayed_scaling(history_len=2)
+  recipe = fp8.FP8Recipe(scaling="delayed", history_len=2)
   jmp_amp.flax.set_policies(module, flax_fp8.FP8Policy(
       recipe, keep_first_last=False))
   knob = {nnx.Einsum: "einsum_op", nnx.Conv: "conv_general_dilated"}
   op = getattr(module, knob[type(module)])
-  assert type(op) is {nnx.Einsum: flax_fp8.FP8Einsum,
-                      nnx.Conv: flax_fp8.FP8ConvGeneralDilated}[type(module)]
+  assert type(op) is {nnx.Einsum: fp8_layers.FP8Einsum,
+                      nnx.Conv: fp8_layers.FP8ConvGeneralDilated}[type(module)]
   y = module(x)
   assert y.dtype == jnp.bfloat16
   # Against float32 on the same E4M3-rounded input and kernel, plus the
@@ -804,7 +817,7 @@ def _regression(n=6):
 
 def test_delayed_scaling_state_updates_in_jitted_step():
   model = jmp_amp.flax.set_policies(_mlp(), flax_fp8.FP8Policy(
-      fp8.delayed_scaling(history_len=3), keep_first_last=False))
+      fp8.FP8Recipe(scaling="delayed", history_len=3), keep_first_last=False))
   opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   step = _make_step()
   data = _regression(4)
@@ -823,7 +836,7 @@ def test_delayed_scaling_state_updates_in_jitted_step():
 @pytest.mark.slow
 def test_checkpoint_resume_is_bitwise(tmp_path):
   checkpoint = pytest.importorskip("jmp_amp.checkpoint")
-  recipe = fp8.delayed_scaling(history_len=4)
+  recipe = fp8.FP8Recipe(scaling="delayed", history_len=4)
 
   def fresh():
     model = jmp_amp.flax.set_policies(_mlp(), jmp_amp.flax.mixed_rules() | {
@@ -895,8 +908,9 @@ def test_fp8_digits_within_two_points_of_float32():
   acc32, _ = _train_digits(lambda m: m)
   all_fp8 = lambda recipe: lambda m: jmp_amp.flax.set_policies(
       m, flax_fp8.FP8Policy(recipe, keep_first_last=False))
-  acc_cur, model = _train_digits(all_fp8(None))
-  acc_del, _ = _train_digits(all_fp8(fp8.delayed_scaling(history_len=16)))
+  acc_cur, model = _train_digits(all_fp8(fp8.FP8Recipe()))
+  acc_del, _ = _train_digits(all_fp8(
+      fp8.FP8Recipe(scaling="delayed", history_len=16)))
   assert acc32 > 0.95, acc32
   assert abs(acc_cur - acc32) <= 0.02, (acc32, acc_cur)
   assert abs(acc_del - acc32) <= 0.02, (acc32, acc_del)
@@ -945,7 +959,7 @@ def test_rowwise_fp8_trains_like_bf16():
   loss_bf16, _ = _train_gpt(lambda m: m)
   loss_row, model = _train_gpt(
       lambda m: jmp_amp.flax.set_policies(
-          m, {"*": ROWWISE},
+          m, {"*": flax_fp8.FP8Policy(ROWWISE)},
           example_args=(jax.ShapeDtypeStruct((16, 32), jnp.int32),)))
   assert len(flax_fp8.histories(model)) == 6
   assert abs(loss_row - loss_bf16) <= 0.02 * loss_bf16, (loss_bf16, loss_row)
@@ -955,7 +969,7 @@ def test_make_train_step_updates_fp8_histories_under_loss_scaling():
   import jmp_amp.flax  # pylint: disable=g-import-not-at-top
   model = jmp_amp.flax.set_policies(
       models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0)),
-      flax_fp8.FP8Policy(fp8.delayed_scaling(history_len=4),
+      flax_fp8.FP8Policy(fp8.FP8Recipe(scaling="delayed", history_len=4),
                          keep_first_last=False))
   opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
       optax.sgd(0.1), jmp_amp.DynamicLossScale(2.0**15)), wrt=nnx.Param)
@@ -1159,7 +1173,8 @@ def test_autocast_float8_names_and_errors():
     jmp_amp.autocast(fn, "float9")
   with pytest.raises(ValueError, match="autocast runs FP8 matmuls with "
                      "current or rowwise scaling.*scaling='delayed'"):
-    jmp_amp.autocast(fn, jmp_amp.fp8.delayed_scaling(4))
+    jmp_amp.autocast(fn, jmp_amp.fp8.FP8Recipe(scaling="delayed",
+                                               history_len=4))
   with pytest.raises(TypeError, match="'float8' or an FP8Recipe, got "):
     jmp_amp.autocast(fn, jnp.float8_e4m3fn)
   # A matmul already written in bfloat16 runs as written (as in the bf16

@@ -30,7 +30,7 @@ D = 64
 FP8_LAYERS = ["attn/query", "attn/key", "attn/value", "attn/out", "gate",
               "up", "down", "mix"]
 RECIPES = {"current": jmp_amp.fp8.FP8Recipe(),
-           "delayed": jmp_amp.fp8.delayed_scaling(history_len=4),
+           "delayed": jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4),
            "rowwise": jmp_amp.fp8.FP8Recipe(scaling="rowwise")}
 
 
@@ -60,7 +60,7 @@ def _x():
 
 def _model(recipe):
   model = Block(nnx.Rngs(0))
-  rules = {"*": recipe}
+  rules = {"*": flax_fp8.FP8Policy(recipe)}
   if recipe.scaling == "rowwise":  # dot_general only: not nnx.Einsum
     rules["mix"] = "bfloat16"
   return jmp_amp.flax.set_policies(model, rules, example_args=(_x(),))

@@ -112,8 +112,8 @@ def test_localiser_names_module_op_and_the_rule_fixes_it(
   setattr(_module(model, path), knob, jmp_amp.testing.precision_fault(
       KNOB_DEFAULT[knob], kind, backward=backward))
   jmp_amp.flax.set_policies(model, F16_RULES)
-  report = fnum.find_nonfinite(model, loss_fn, batch, rules=F16_RULES,
-                               loss_scale=2.0 ** 4)
+  report = jmp_amp.numerics.find_nonfinite(
+      loss_fn, model, batch, rules=F16_RULES, loss_scale=2.0 ** 4)
   assert report is not None
   assert (report.module, report.primitive, report.direction) == (
       path, OP[kind], "backward" if backward else "forward"), str(report)
@@ -128,10 +128,11 @@ def test_a_clean_model_has_no_report_and_a_fault_in_float32_fires_not():
   model, loss_fn, batch = _mlp()
   model.layers[1].dot_general = jmp_amp.testing.precision_fault(
       jax.lax.dot_general, "overflow")
-  assert fnum.find_nonfinite(model, loss_fn, batch) is None  # float32
+  # float32: the fault does not fire.
+  assert jmp_amp.numerics.find_nonfinite(loss_fn, model, batch) is None
   clean, loss_fn, batch = _mlp()
   jmp_amp.flax.set_policies(clean, F16_RULES)
-  assert fnum.find_nonfinite(clean, loss_fn, batch) is None
+  assert jmp_amp.numerics.find_nonfinite(loss_fn, clean, batch) is None
 
 
 @pytest.mark.slow
@@ -139,7 +140,8 @@ def test_fixed_says_whether_the_rule_removed_every_inf_nan():
   model, loss_fn, (x, y) = _mlp()
   jmp_amp.flax.set_policies(model, F16_RULES)
   batch = (x.at[0, 0].set(1e5), y)  # inf once cast to float16 in layers/0.
-  report = fnum.find_nonfinite(model, loss_fn, batch, rules=F16_RULES)
+  report = jmp_amp.numerics.find_nonfinite(loss_fn, model, batch,
+                                           rules=F16_RULES)
   assert (report.module, report.primitive) == ("layers/0",
                                                "convert_element_type")
   assert report.max_finite == pytest.approx(1e5)
@@ -160,8 +162,8 @@ def test_linen_model_localised_and_verified():
   x = jnp.full((2, 16), 6e4)  # finite in float16; the first layer's product not
   variables = module.init(jax.random.key(0), x)
   loss_fn = lambda net, x: jnp.mean(net(x).astype(jnp.float32))
-  report = fnum.find_nonfinite(module, loss_fn, x, variables=variables,
-                               rules="mixed_float16")
+  report = jmp_amp.numerics.find_nonfinite(
+      loss_fn, module, x, variables=variables, rules="mixed_float16")
   first = sorted(variables["params"])[0]
   assert (report.module, report.primitive, report.direction) == (
       first, "dot_general", "forward"), str(report)
@@ -170,7 +172,7 @@ def test_linen_model_localised_and_verified():
       module, {"*": "mixed_float16", first: "float32"}, variables, x)
   assert report.fixed is bool(jnp.isfinite(y).all())
   with pytest.raises(TypeError, match="variables"):
-    fnum.find_nonfinite(module, loss_fn, x)
+    jmp_amp.numerics.find_nonfinite(loss_fn, module, x)
 
 
 # --------------------------------------------------------------------------
@@ -220,10 +222,10 @@ def test_a_nonfinite_constant_the_function_captured_is_an_input():
 
 def test_flax_find_nonfinite_reports_a_nan_param_with_its_module_path():
   model, loss_fn, batch = _mlp()
-  assert fnum.find_nonfinite(model, loss_fn, batch) is None
+  assert jmp_amp.numerics.find_nonfinite(loss_fn, model, batch) is None
   kernel = model.layers[1].kernel
   kernel[...] = kernel[...].at[0, 0].set(jnp.nan)
-  r = fnum.find_nonfinite(model, loss_fn, batch)
+  r = jmp_amp.numerics.find_nonfinite(loss_fn, model, batch)
   assert (r.direction, r.module, r.argument, r.outputs) == (
       "input", "layers/1", "params layers/1/kernel", ("nan",))
   assert r.suggested_rule is None and r.fixed is None
@@ -231,7 +233,8 @@ def test_flax_find_nonfinite_reports_a_nan_param_with_its_module_path():
 
 def test_flax_find_nonfinite_reports_a_nan_batch():
   model, loss_fn, (x, y) = _mlp()
-  r = fnum.find_nonfinite(model, loss_fn, (x.at[1, 2].set(jnp.inf), y))
+  r = jmp_amp.numerics.find_nonfinite(loss_fn, model,
+                                      (x.at[1, 2].set(jnp.inf), y))
   assert (r.direction, r.module, r.argument) == ("input", None, "batch[0]")
 
 
@@ -243,8 +246,8 @@ def test_flax_find_nonfinite_linen_variables():
   name = sorted(params)[-1]
   params[name] = dict(params[name], bias=params[name]["bias"].at[0].set(
       jnp.nan))
-  r = fnum.find_nonfinite(module, lambda m, b: jnp.mean(m(b)), x,
-                          variables={"params": params})
+  r = jmp_amp.numerics.find_nonfinite(
+      lambda m, b: jnp.mean(m(b)), module, x, variables={"params": params})
   assert (r.direction, r.module, r.argument) == (
       "input", name, f"variables['params']['{name}']['bias']")
 
@@ -259,8 +262,13 @@ def test_enters_jit_and_custom_jvp():
 def test_find_nonfinite_rejects_non_callables():
   with pytest.raises(TypeError, match="takes a function"):
     jmp_amp.numerics.find_nonfinite(3.0, 1.0)
-  with pytest.raises(TypeError, match="nnx.Module"):
-    fnum.find_nonfinite(lambda x: x, lambda m, b: 0.0, None)
+  with pytest.raises(TypeError, match="loss_scale, rules apply to a Flax "
+                     "model, find_nonfinite"):
+    jmp_amp.numerics.find_nonfinite(jnp.sum, jnp.ones(2), loss_scale=2.0,
+                                    rules="float32")
+  model, loss_fn, (x, y) = _mlp()
+  with pytest.raises(TypeError, match="takes one batch after the Flax model"):
+    jmp_amp.numerics.find_nonfinite(loss_fn, model, x, y)
 
 
 # --------------------------------------------------------------------------
@@ -563,7 +571,7 @@ def test_on_nonfinite_never_passes_none():
   assert len(reports) == 1 and reports[0].primitive == "unknown"
   assert str(reports[0]) == (
       "step 1 (loss scale 16): the step's loss or gradients were not finite, "
-      "but an op-by-op replay (jmp_amp.flax.numerics.find_nonfinite, which "
+      "but an op-by-op replay (jmp_amp.numerics.find_nonfinite, which "
       "does not apply autocast=) found no op making inf/NaN")
 
 

@@ -14,19 +14,22 @@ attribute of an imported module or of something imported from one
 `scan_source` is the checker; the tests below also feed it small bad snippets,
 so a checker that flags nothing fails.
 
-The public names are pinned too (issue 22: one way to do each thing): the
-``__all__`` of `jmp_amp` (jmp's 11 names and 12 of ours) and `jmp_amp.flax`
-together hold at most 32 names, FP8 lives in `jmp_amp.fp8` and
-`jmp_amp.flax.fp8`, and the aliases that the names had before the first
-release (issue 36) are gone from every module.
+The public names are pinned too (issues 22 and 36: one way to do each
+thing): the ``__all__`` of the nine public modules, and only they have one,
+hold at most 55 names together (jmp's 11 among them), each public object has
+one import path and an example that the suite runs as a doctest, and the
+names removed before the first release are gone from every module.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import doctest
 import importlib
+import inspect
 import pathlib
+import re
 import textwrap
 
 import pytest
@@ -354,39 +357,114 @@ def test_scanner_reports_file_and_line():
 JMP_NAMES = ("DynamicLossScale", "LossScale", "NoOpLossScale", "Policy",
              "StaticLossScale", "all_finite", "cast_to_full", "cast_to_half",
              "get_policy", "half_dtype", "select_tree")
-CORE_NAMES = JMP_NAMES + (
-    "LossScalingState", "get_scaling_state", "loss_scaling",
-    "scaled_value_and_grad", "scaling_metrics", "AutocastRules",
-    "DEFAULT_AUTOCAST_RULES", "autocast", "conv_general_dilated",
-    "dot_general", "gpu_report", "matmul_report")
-FLAX_NAMES = ("apply_with_policies", "cast_boundary", "clear_policies",
-              "get_policies", "init_with_policies", "make_linen_train_step",
-              "make_train_step", "mixed_rules", "set_policies")
+# The public modules and their __all__: the whole public API (CHANGELOG.md).
+PUBLIC = {
+    "jmp_amp": JMP_NAMES + (
+        "LossScalingState", "get_scaling_state", "loss_scaling",
+        "scaled_value_and_grad", "AutocastRules", "autocast",
+        "conv_general_dilated", "dot_general", "gpu_report",
+        "matmul_report"),
+    "jmp_amp.flax": (
+        "apply_with_policies", "cast_boundary", "clear_policies",
+        "get_policies", "init_with_policies", "make_linen_train_step",
+        "make_train_step", "mixed_rules", "set_policies"),
+    "jmp_amp.fp8": ("FP8Recipe", "FP8State", "conv_general_dilated",
+                    "dot_general", "einsum"),
+    "jmp_amp.flax.fp8": ("FP8Meta", "FP8Policy", "histories",
+                         "value_and_grad"),
+    "jmp_amp.numerics": ("find_nonfinite", "format_stats", "tensor_stats"),
+    "jmp_amp.flax.numerics": ("grad_stats", "watch"),
+    "jmp_amp.optim": ("compress_state", "low_precision_params",
+                      "stochastic_round"),
+    "jmp_amp.checkpoint": ("CheckpointError", "CheckpointManager",
+                           "latest_step", "restore", "restore_latest",
+                           "save"),
+    "jmp_amp.tools": ("GpuReport", "MatmulReport"),
+}
+MAX_PUBLIC_NAMES = 55  # issue 36: 75 before
 
 
 def _flax():
   return pytest.importorskip("jmp_amp.flax")
 
 
-def test_public_names_are_pinned_and_at_most_32():
-  jflax = _flax()
-  assert sorted(jmp_amp.__all__) == sorted(CORE_NAMES)
-  assert sorted(jflax.__all__) == sorted(FLAX_NAMES)
-  assert len(jmp_amp.__all__) + len(jflax.__all__) <= 32
-  assert sorted(jmp_amp.fp8.__all__) == [
-      "FP8Recipe", "FP8State", "conv_general_dilated", "delayed_scaling",
-      "dot_general", "einsum"]
-  assert sorted(jflax.fp8.__all__) == [
-      "FP8Meta", "FP8Op", "FP8Policy", "histories", "value_and_grad"]
-  assert sorted(jmp_amp.optim.__all__) == [
-      "CompressedState", "LowPrecisionParamsState", "compress_state",
-      "low_precision_params", "stochastic_round"]
-  assert sorted(jflax.rules.__all__) == [
-      "NORM_CLASSES", "PolicyRules", "mixed_rules"]
-  for module in (jmp_amp, jmp_amp.fp8, jmp_amp.optim, jmp_amp.tools, jflax,
-                 jflax.fp8, jflax.rules):
-    for name in module.__all__:
-      assert getattr(module, name) is not None, (module.__name__, name)
+def _module(name: str):
+  if name.startswith("jmp_amp.flax"):
+    _flax()
+  if name == "jmp_amp.checkpoint":
+    pytest.importorskip("orbax.checkpoint")
+  return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("module_name", sorted(PUBLIC))
+def test_public_names_are_pinned(module_name):
+  module = _module(module_name)
+  assert sorted(module.__all__) == sorted(PUBLIC[module_name])
+  for name in module.__all__:
+    assert getattr(module, name) is not None, (module_name, name)
+
+
+def test_at_most_55_public_names_in_all_public_modules():
+  counts = {name: len(_module(name).__all__) for name in PUBLIC}
+  assert sum(counts.values()) <= MAX_PUBLIC_NAMES, counts
+  assert set(JMP_NAMES) <= set(jmp_amp.__all__)  # the drop-in stays whole
+
+
+def _defines_all(path: pathlib.Path) -> bool:
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  return any(isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+      isinstance(t, ast.Name) and t.id == "__all__"
+      for t in (node.targets if isinstance(node, ast.Assign)
+                else [node.target])) for node in tree.body)
+
+
+def test_only_the_public_modules_have_an_all():
+  defining = set()
+  for path in _package_files():
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    if _defines_all(path):
+      defining.add(name)
+  assert defining == set(PUBLIC)
+
+
+def test_each_public_object_has_one_import_path():
+  """No public module holds, under a public name, what another exports."""
+  modules = {name: _module(name) for name in PUBLIC}
+  home = {}
+  for name, module in modules.items():
+    for attr in module.__all__:
+      home.setdefault(id(getattr(module, attr)), f"{name}.{attr}")
+  for name, module in modules.items():
+    for attr, value in vars(module).items():
+      if attr.startswith("_") or inspect.ismodule(value):
+        continue
+      where = home.get(id(value))
+      assert where is None or where == f"{name}.{attr}", (
+          f"{name}.{attr} is {where}")
+
+
+def _doctest_names(doc: str) -> set[str]:
+  """The identifiers in the `>>>` examples of a docstring."""
+  examples = doctest.DocTestParser().get_examples(doc or "")
+  return {n for ex in examples for n in re.findall(r"\w+", ex.source)}
+
+
+def _public_names():
+  return [(m, n) for m in sorted(PUBLIC) for n in PUBLIC[m]]
+
+
+@pytest.mark.parametrize("module_name,name", _public_names(),
+                         ids=[f"{m}.{n}" for m, n in _public_names()])
+def test_each_public_name_has_a_doctest(module_name, name):
+  """A `>>>` example in its own docstring or, for a name without one of its
+  own (a typing alias), one using it in its module's docstring. pytest's
+  --doctest-modules runs them all (pyproject.toml)."""
+  module = _module(module_name)
+  obj = getattr(module, name)
+  own = obj.__doc__ if (inspect.isclass(obj) or inspect.isroutine(obj)) else ""
+  assert _doctest_names(own) or name in _doctest_names(module.__doc__), (
+      f"{module_name}.{name} has no >>> example")
 
 
 # Aliases removed before the first release (issue 36): module, names.
@@ -394,14 +472,26 @@ REMOVED = {
     "jmp_amp": (
         "FP8Recipe", "FP8State", "GpuReport", "MatmulRecord", "MatmulReport",
         "delayed_scaling", "fp8_conv_general_dilated", "fp8_dot_general",
-        "fp8_einsum", "get_loss_scale"),
+        "fp8_einsum", "get_loss_scale", "scaling_metrics",
+        "DEFAULT_AUTOCAST_RULES"),
     "jmp_amp.flax": (
         "FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum", "FP8Meta",
         "FP8Op", "FP8Policy", "NORM_CLASSES", "PolicyRules", "TrainState",
         "clear_fp8", "fp8_histories", "fp8_modules", "fp8_rules",
         "fp8_value_and_grad", "policied_apply", "policy_of", "set_fp8",
         "update_fp8_state"),
+    "jmp_amp.fp8": ("delayed_scaling",),
+    "jmp_amp.numerics": ("NonFinite",),
+    "jmp_amp.flax.numerics": ("find_nonfinite",),
+    "jmp_amp.tools": ("MatmulRecord", "gpu_report", "matmul_report"),
+    "jmp_amp.optim": ("CompressedState", "LowPrecisionParamsState"),
+    "jmp_amp.checkpoint": (
+        "CheckpointCorruptedError", "CheckpointExistsError",
+        "CheckpointFallbackWarning", "CheckpointMismatchError",
+        "InvalidFP8StateError", "InvalidLossScaleError", "PathLike",
+        "check_compatible", "check_loss_scales", "describe"),
     "jmp_amp.flax.fp8": (
+        "FP8ConvGeneralDilated", "FP8DotGeneral", "FP8Einsum", "FP8Op",
         "FP8Recipe", "FP8State", "clear_fp8", "delayed_scaling",
         "fp8_histories", "fp8_modules", "fp8_value_and_grad", "set_fp8",
         "update_fp8_state"),
@@ -413,9 +503,7 @@ REMOVED = {
 
 @pytest.mark.parametrize("module_name", sorted(REMOVED))
 def test_removed_aliases_are_gone(module_name):
-  if module_name != "jmp_amp":
-    _flax()
-  module = importlib.import_module(module_name)
+  module = _module(module_name)
   left = [n for n in REMOVED[module_name] if hasattr(module, n)]
   assert not left, f"{module_name} still has {left}"
 

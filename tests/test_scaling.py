@@ -163,7 +163,7 @@ def test_half_gradients_are_unscaled_in_float32():
                                 np.float32(np.float16(-(2.0**-20))))
 
 
-def test_scaling_metrics_and_compiles_once(small_params):
+def test_scaling_state_counts_and_compiles_once(small_params):
   opt = jmp_amp.loss_scaling(optax.adam(1e-2), jmp_amp.DynamicLossScale(2.0**4, period=2))
   state = opt.init(small_params)
   traces = []
@@ -172,15 +172,15 @@ def test_scaling_metrics_and_compiles_once(small_params):
   def step(params, state, value):
     traces.append(None)
     updates, state = opt.update(_grads_like(params, value), state, params)
-    return optax.apply_updates(params, updates), state, jmp_amp.scaling_metrics(state)
+    return optax.apply_updates(params, updates), state, jmp_amp.get_scaling_state(state)
 
   params = small_params
   for value in [1.0, jnp.inf, 1.0, 1.0, 1.0, jnp.nan, 1.0]:
-    params, state, metrics = step(params, state, value)
+    params, state, scaling = step(params, state, value)
   assert len(traces) == 1
-  assert int(metrics["skipped_steps"]) == 2 and int(metrics["steps"]) == 7
-  assert bool(metrics["grads_finite"])
-  assert metrics["loss_scale"].dtype == jnp.float32
+  assert int(scaling.skipped_steps) == 2 and int(scaling.steps) == 7
+  assert bool(scaling.grads_finite)
+  assert scaling.loss_scale.loss_scale.dtype == jnp.float32
 
 
 def test_bad_arguments_raise_clear_errors(small_params):

@@ -187,8 +187,9 @@ def test_16bit_state_and_params_train_as_the_unscanned_model():
 
 
 @pytest.mark.slow  # a few train-step compiles: ~20-60 s each
-@pytest.mark.parametrize("recipe", ["current",
-                                    jmp_amp.fp8.delayed_scaling(4)])
+@pytest.mark.parametrize("recipe", [
+    jmp_amp.fp8.FP8Recipe(),
+    jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4)])
 def test_fp8_histories_are_stacked_per_layer_and_train(recipe):
   _, model = models()
   policy = jmp_amp.flax.fp8.FP8Policy(recipe, keep_first_last=False)
@@ -196,7 +197,7 @@ def test_fp8_histories_are_stacked_per_layer_and_train(recipe):
   histories = jmp_amp.flax.fp8.histories(model)
   assert sorted(histories) == ["blocks/attn/proj", "blocks/attn/qkv",
                                "blocks/mlp/fc", "blocks/mlp/out"]
-  length = 4 if not isinstance(recipe, str) else 1
+  length = recipe.history_len
   assert histories["blocks/mlp/fc"].lhs.shape == (LAYERS, length)
   metrics, _ = train(model, jmp_amp.loss_scaling(
       optax.adamw(1e-2), jmp_amp.NoOpLossScale()), numerics="**/mlp/fc")

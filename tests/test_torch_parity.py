@@ -41,9 +41,9 @@ def run_jax(scenario):
 
     updates, state = opt.update(jax.grad(loss_fn)(params), state, params)
     params = optax.apply_updates(params, updates)
-    metrics = jmp_amp.scaling_metrics(state)
-    return (params, state), (metrics["loss_scale"],
-                             jnp.logical_not(metrics["grads_finite"]))
+    scaling = jmp_amp.get_scaling_state(state)
+    return (params, state), (scaling.loss_scale.loss_scale,
+                             jnp.logical_not(scaling.grads_finite))
 
   params = {"w": jnp.asarray(w0), "b": jnp.asarray(b0)}
   (params, _), (scales, skipped) = jax.jit(

@@ -213,6 +213,11 @@ class FP8Recipe:
       matmul returns (bfloat16: the FP8 GEMM's output dtype on GPU).
     fwd_dtype: FP8 dtype of the forward operands.
     bwd_dtype: FP8 dtype of the output gradient.
+
+  Example (TransformerEngine's delayed scaling over the last 16 steps):
+    >>> recipe = jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=16)
+    >>> recipe.scaling, recipe.history_len, recipe.compute_dtype
+    ('delayed', 16, dtype(bfloat16))
   """
   scaling: str = "current"
   history_len: int = 1
@@ -252,22 +257,20 @@ class FP8Recipe:
                        _fp8_dtype(self.bwd_dtype, "bwd_dtype"))
 
 
-def delayed_scaling(history_len: int = 16, margin: int = 0,
-                    **kwargs) -> FP8Recipe:
-  """TransformerEngine's delayed-scaling recipe with `history_len` steps.
-
-  Example:
-    >>> jmp_amp.fp8.delayed_scaling(history_len=4).scaling
-    'delayed'
-  """
-  return FP8Recipe(scaling="delayed", history_len=history_len, margin=margin,
-                   **kwargs)
-
-
 class FP8State(NamedTuple):
   """amax histories of one matmul: operands and output gradient.
 
-  Each is float32 ``[history_len]``, newest first.
+  Each is float32 ``[history_len]``, newest first; all zeros to start (the
+  first delayed-scaling step then scales from the current amax).
+
+  Example:
+    >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+    >>> state = jmp_amp.fp8.FP8State(*(jnp.zeros(4) for _ in range(3)))
+    >>> recipe = jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4)
+    >>> grad_fn = jax.grad(lambda s: jmp_amp.fp8.dot_general(
+    ...     x, w, (((1,), (0,)), ((), ())), state=s, recipe=recipe).sum())
+    >>> grad_fn(state).rhs.tolist()  # the new history: the "gradient"
+    [0.5, 0.0, 0.0, 0.0]
   """
   lhs: jax.Array
   rhs: jax.Array

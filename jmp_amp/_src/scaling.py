@@ -38,6 +38,16 @@ class LossScalingState(NamedTuple):
       ``check_loss=True``) were all finite.
     skipped_steps: how many steps were skipped because of inf/NaN.
     steps: how many updates were seen (applied or skipped).
+
+  Example (`jmp_amp.get_scaling_state` finds it in any optimizer state):
+    >>> opt = jmp_amp.loss_scaling(optax.adam(1e-3),
+    ...                            jmp_amp.DynamicLossScale(2.0 ** 8))
+    >>> params = {"w": jnp.ones(2)}
+    >>> _, opt_state = opt.update({"w": jnp.array([jnp.inf, 1.0])},
+    ...                           opt.init(params), params)
+    >>> s = jmp_amp.get_scaling_state(opt_state)  # a LossScalingState
+    >>> print(s.loss_scale.loss_scale, s.grads_finite, s.skipped_steps, s.steps)
+    128.0 False 1 1
   """
   loss_scale: ls_lib.LossScale
   inner_state: optax.OptState

@@ -1,4 +1,4 @@
-"""Using `loss_scaling` from a train step: the scaled loss, the state, metrics.
+"""Using `loss_scaling` from a train step: the scaled loss, and the state.
 
 `loss_scaling` keeps the loss scale in the optimizer state; these read it
 wherever it sits in a nested optax state.
@@ -159,7 +159,8 @@ def get_scaling_state(opt_state: Any) -> LossScalingState:
 
 
 def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
-  """Logging values: current scale, last step finite, skipped and total steps."""
+  """The `get_scaling_state` values `jmp_amp.flax`'s train steps return:
+  ``loss_scale`` (float32), ``grads_finite``, ``skipped_steps``, ``steps``."""
   state = get_scaling_state(opt_state)
   return {
       "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),

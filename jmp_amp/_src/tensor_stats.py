@@ -101,6 +101,14 @@ def format_stats(stats: dict[str, dict[str, Any]], *, top: int = 0) -> str:
 
   Rows with a non-finite count come first, then by ``max_abs``; ``top`` > 0
   keeps that many rows.
+
+  Example (a float16 output: 1e-8 underflows, inf is counted):
+    >>> import jmp_amp.numerics
+    >>> x = jnp.array([1e-8, 0.0, 3.0, jnp.inf])
+    >>> stats = {"head": {"out": jmp_amp.numerics.tensor_stats(x, jnp.float16)}}
+    >>> print(jmp_amp.numerics.format_stats(stats))
+    module of       max|x|  underfl   zeros inf/nan
+    head   out           3   25.00%  25.00%       1
   """
   rows = []
   for name, kinds in stats.items():

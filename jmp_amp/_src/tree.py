@@ -58,7 +58,13 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def select_tree(pred: jax.Array, a: T, b: T) -> T:
-  """Selects `a` where the scalar bool `pred` is true, else `b`, leaf by leaf."""
+  """Selects `a` where the scalar bool `pred` is true, else `b`, leaf by leaf.
+
+  Example:
+    >>> new, old = {"w": jnp.ones(2)}, {"w": jnp.zeros(2)}
+    >>> jmp_amp.select_tree(jnp.bool_(False), new, old)["w"].tolist()
+    [0.0, 0.0]
+  """
   assert jnp.ndim(pred) == 0 and jnp.result_type(pred) == jnp.bool_, (
       "expected boolean scalar")
   return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)

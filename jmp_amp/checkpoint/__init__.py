@@ -10,16 +10,19 @@ run*, and refuses anything else:
   orbax's array checkpoint, are saved as JSON next to the arrays, with a
   CRC-32 checksum of every array's bytes;
 * restore checks the target against what was saved -- tree structure, shapes,
-  dtypes, loss-scale hyper-parameters and FP8 recipes -- and raises
-  `CheckpointMismatchError` naming every mismatch. Orbax alone would silently
+  dtypes, loss-scale hyper-parameters and FP8 recipes -- and raises a
+  `CheckpointError` naming every mismatch. Orbax alone would silently
   cast float32 params into a bfloat16 target, or restore a scale into a loss
   scale with a new period;
 * restore verifies every array against its checksum, the restored loss scales
   (finite, > 0) and FP8 amax histories (finite, >= 0); damaged files raise
-  `CheckpointCorruptedError` naming the step and the array or file, never
-  changed values. `restore_latest` can fall back to the newest intact step;
-* saving over an existing step, or below the latest one, raises
-  `CheckpointExistsError` unless ``overwrite=True``.
+  a `CheckpointError` naming the step and the array or file, never changed
+  values. `restore_latest` can fall back to the newest intact step;
+* saving over an existing step, or below the latest one, raises a
+  `CheckpointError` unless ``overwrite=True``.
+
+Every refusal is one `CheckpointError` (a `ValueError`); its ``reason``,
+``"mismatch"``, ``"corrupted"`` or ``"exists"``, says which.
 
 Example (a checkpoint in a temporary directory):
   >>> import tempfile
@@ -51,34 +54,16 @@ modules' FP8 recipes, which `nnx.state` alone drops).
 Not imported by `import jmp_amp`; needs ``pip install orbax-checkpoint``.
 """
 
-from jmp_amp.checkpoint._compat import check_compatible
-from jmp_amp.checkpoint._compat import check_loss_scales
-from jmp_amp.checkpoint._compat import describe
-from jmp_amp.checkpoint._errors import CheckpointCorruptedError
-from jmp_amp.checkpoint._errors import CheckpointExistsError
-from jmp_amp.checkpoint._errors import CheckpointFallbackWarning
-from jmp_amp.checkpoint._errors import CheckpointMismatchError
-from jmp_amp.checkpoint._errors import InvalidFP8StateError
-from jmp_amp.checkpoint._errors import InvalidLossScaleError
+from jmp_amp.checkpoint._errors import CheckpointError
 from jmp_amp.checkpoint._manager import CheckpointManager
 from jmp_amp.checkpoint._manager import latest_step
-from jmp_amp.checkpoint._manager import PathLike
 from jmp_amp.checkpoint._manager import restore
 from jmp_amp.checkpoint._manager import restore_latest
 from jmp_amp.checkpoint._manager import save
 
 __all__ = (
-    "CheckpointCorruptedError",
-    "CheckpointExistsError",
-    "CheckpointFallbackWarning",
+    "CheckpointError",
     "CheckpointManager",
-    "CheckpointMismatchError",
-    "InvalidFP8StateError",
-    "InvalidLossScaleError",
-    "PathLike",
-    "check_compatible",
-    "check_loss_scales",
-    "describe",
     "latest_step",
     "restore",
     "restore_latest",

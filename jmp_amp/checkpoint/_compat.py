@@ -4,7 +4,7 @@
 path, shape and dtype, the loss scales' static hyper-parameters and the FP8
 ops' recipes. `check_compatible` compares a target with that description and
 names every difference; `check_loss_scales` refuses restored loss scales a run
-cannot use.
+cannot use. Restore runs both checks; none of these is public.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def describe(state: Any) -> dict[str, Any]:
     paths as `jax.tree_util.keystr` gives them.
 
   Example:
-    >>> from jmp_amp import checkpoint
+    >>> from jmp_amp.checkpoint import _compat
     >>> ls = jmp_amp.DynamicLossScale(2.0 ** 15, period=100)
-    >>> desc = checkpoint.describe({"w": jnp.ones(3), "loss_scale": ls})
+    >>> desc = _compat.describe({"w": jnp.ones(3), "loss_scale": ls})
     >>> desc["leaves"]["['w']"]
     {'shape': [3], 'dtype': 'float32'}
     >>> desc["loss_scales"]["['loss_scale']"]["period"]
@@ -215,7 +215,7 @@ def _fp8_recipe_problems(saved: dict[str, Any],
 
 def check_compatible(saved: dict[str, Any], target: Any, *,
                      cast_dtypes: bool = False) -> None:
-  """Raises `CheckpointMismatchError` if `target` differs from `saved`.
+  """Raises `CheckpointError` ("mismatch") if `target` differs from `saved`.
 
   Args:
     saved: the description stored with a checkpoint (see `describe`).
@@ -231,9 +231,9 @@ def check_compatible(saved: dict[str, Any], target: Any, *,
       + _fp8_recipe_problems(saved.get("fp8_recipes", {}),
                              want["fp8_recipes"]))
   if problems:
-    raise _errors.CheckpointMismatchError(
+    raise _errors.mismatch(
         "checkpoint does not match the restore target:\n  - "
-        + "\n  - ".join(problems))
+        + "\n  - ".join(problems), saved.get("step"))
 
 
 def _loss_scale_problem(x: Any) -> Optional[str]:
@@ -258,7 +258,8 @@ def _loss_scale_problem(x: Any) -> Optional[str]:
 
 
 def check_loss_scales(tree: Any) -> None:
-  """Raises `InvalidLossScaleError` if a loss scale in `tree` is unusable.
+  """Raises `CheckpointError` ("corrupted") if a loss scale in `tree` is
+  unusable.
 
   A dynamic loss scale must be a finite float scalar > 0 with non-negative
   counters; a NaN or infinite scale would skip every step of the resumed run.
@@ -269,5 +270,4 @@ def check_loss_scales(tree: Any) -> None:
     problem = _loss_scale_problem(x) if is_loss_scale(x) else None
     if problem:
       name = jax.tree_util.keystr(path) or "<root>"
-      raise _errors.InvalidLossScaleError(f"loss scale {name}: {problem}",
-                                          where=name)
+      raise _errors.corrupted(f"loss scale {name}: {problem}", where=name)

@@ -1,56 +1,70 @@
-"""The errors and warning `jmp_amp.checkpoint` raises: one class per outcome.
+"""The one error `jmp_amp.checkpoint` raises: `CheckpointError`.
 
-Every refusal is a `ValueError`, so that a caller who only asks "did it
-restore?" catches one type; the classes say why, and the damaged ones carry
-the step and the place (`where`) for a fallback or a report.
+Every refusal is a `CheckpointError`, a `ValueError`, so that a caller who
+only asks "did it restore?" catches one type; its `reason` says why, and
+``step`` and ``where`` say which step and which array or file, for a
+fallback or a report.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-
-class CheckpointMismatchError(ValueError):
-  """The restore target does not match the checkpoint."""
+MISMATCH, EXISTS, CORRUPTED = "mismatch", "exists", "corrupted"
 
 
-class CheckpointExistsError(ValueError, FileExistsError):
-  """A save would replace an existing step, or go back before the latest one.
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be saved or restored as asked.
 
   Attributes:
-    step: the step that was to be saved.
-    existing: the saved steps at or after `step`.
+    reason: why, one of
+      ``"mismatch"``: the restore target differs from what was saved
+      (structure, shapes, dtypes, loss-scale hyper-parameters, FP8 recipes;
+      the message names every difference);
+      ``"exists"``: a save would replace a saved step, or go back before
+      the latest one (the message lists them; ``overwrite=True`` allows it);
+      ``"corrupted"``: the files are damaged or incomplete, or hold a state
+      a run cannot use (a loss scale that is not finite and > 0, an FP8 amax
+      history that is not finite and >= 0). Restoring with
+      ``fallback=True`` skips such steps; the others it raises at once.
+    step: the checkpoint step, None if unknown.
+    where: for ``"corrupted"``: the array path (as `jax.tree_util.keystr`
+      writes it) or the file, relative to the step directory, that is
+      damaged; None if unknown or for the other reasons.
+
+  Example:
+    >>> import tempfile
+    >>> from jmp_amp import checkpoint
+    >>> run_dir = tempfile.mkdtemp()
+    >>> checkpoint.save(run_dir, {"w": jnp.ones(3)}, step=1)
+    >>> try:
+    ...   checkpoint.restore(run_dir, target={"w": jnp.ones(3, jnp.bfloat16)})
+    ... except checkpoint.CheckpointError as e:
+    ...   print(e.reason, e.step)
+    ...   print(e)
+    mismatch 1
+    checkpoint does not match the restore target:
+      - dtype mismatch (a different precision policy?):
+        ['w']: saved float32, target bfloat16
+    ...
   """
 
-  def __init__(self, message: str, step: int, existing: list[int]):
-    super().__init__(message)
-    self.step = step
-    self.existing = existing
-
-
-class CheckpointCorruptedError(ValueError):
-  """A checkpoint's files are damaged, incomplete or hold an invalid state.
-
-  Attributes:
-    step: the checkpoint step.
-    where: the array path (as `jax.tree_util.keystr` writes it) or the file,
-      relative to the step directory, that is damaged; None if unknown.
-  """
-
-  def __init__(self, message: str, step: Optional[int] = None,
+  def __init__(self, message: str, reason: str, step: Optional[int] = None,
                where: Optional[str] = None):
     super().__init__(message)
+    self.reason = reason
     self.step = step
     self.where = where
 
 
-class InvalidLossScaleError(CheckpointCorruptedError):
-  """A restored loss scale is not finite and > 0 (or its counters < 0)."""
+def mismatch(message: str, step: Optional[int] = None) -> CheckpointError:
+  return CheckpointError(message, MISMATCH, step)
 
 
-class InvalidFP8StateError(CheckpointCorruptedError):
-  """A restored FP8 amax history holds a value that is not finite and >= 0."""
+def exists(message: str, step: int) -> CheckpointError:
+  return CheckpointError(message, EXISTS, step)
 
 
-class CheckpointFallbackWarning(UserWarning):
-  """`restore(..., fallback=True)` skipped damaged steps."""
+def corrupted(message: str, step: Optional[int] = None,
+              where: Optional[str] = None) -> CheckpointError:
+  return CheckpointError(message, CORRUPTED, step, where)

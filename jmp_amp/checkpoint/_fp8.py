@@ -3,14 +3,15 @@ amax histories restored.
 
 An FP8 op's recipe (`margin`, `history_len`, the FP8 dtypes, ...) is static,
 like a loss scale's hyper-parameters, so orbax's array checkpoint does not hold
-it: `recipes` describes the recipes of the FP8 ops (`jmp_amp.flax.fp8.FP8Op`)
+it: `recipes` describes the recipes of the FP8 ops (see `jmp_amp.flax.fp8`)
 in a tree's NNX modules for the saved metadata, and restore compares them. The
 histories are arrays; `check_histories` refuses any that is not finite and
 >= 0 (an amax is an absolute value, and a non-finite one is never recorded),
 whether it sits in an `FP8State` or in an NNX `FP8Meta` variable.
 
 The one place this package looks up FP8 names (`jmp_amp.fp8.FP8Recipe`,
-`jmp_amp.fp8.FP8State`, `jmp_amp.flax.fp8.FP8Op`, `jmp_amp.flax.fp8.FP8Meta`).
+`jmp_amp.fp8.FP8State`, and the FP8Op and `jmp_amp.flax.fp8.FP8Meta` of
+`jmp_amp.flax`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from jmp_amp.checkpoint import _nnx
 
 
 def _jmp_flax() -> Optional[Any]:
-  """`jmp_amp.flax.fp8` (its FP8Op, FP8Meta) where Flax is in use: no FP8 op
-  exists otherwise, and this package must not import Flax."""
+  """`jmp_amp.flax._fp8` (its FP8Op, FP8Meta) where Flax is in use: no FP8
+  op exists otherwise, and this package must not import Flax."""
   if _nnx.flax_nnx() is None:
     return None
-  from jmp_amp.flax import fp8 as jmp_flax  # pylint: disable=g-import-not-at-top
+  from jmp_amp.flax import _fp8 as jmp_flax  # pylint: disable=g-import-not-at-top
   return jmp_flax
 
 
@@ -78,8 +79,8 @@ def _histories(tree: Any) -> list[tuple[str, Any]]:
 
 
 def check_histories(tree: Any) -> None:
-  """Raises `InvalidFP8StateError` if an amax history in `tree` holds a
-  value that is not finite and >= 0.
+  """Raises `CheckpointError` ("corrupted") if an amax history in `tree`
+  holds a value that is not finite and >= 0.
 
   Under delayed scaling a resumed run would scale its tensors by the largest
   amax of the history: an inf one quantizes them to zeros, a NaN one to NaN.
@@ -90,7 +91,7 @@ def check_histories(tree: Any) -> None:
     h = _nnx.host_value(history).reshape(-1)
     bad = np.flatnonzero(~(np.isfinite(h) & (h >= 0)))
     if bad.size:
-      raise _errors.InvalidFP8StateError(
+      raise _errors.corrupted(
           f"FP8 amax history {name} holds {float(h[bad[0]])!r} (index "
           f"{int(bad[0])}); amaxes must be finite and >= 0 (a damaged file, "
           "or a run whose amax overflowed was saved?)", where=name)

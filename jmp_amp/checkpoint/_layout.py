@@ -143,7 +143,8 @@ def plain_layout(saved_tree: Any, saveable: Any
     jmp_amp's `DynamicLossScale` (``overflows``, which jmp lacks, starts at 0).
 
   Raises:
-    CheckpointMismatchError: neither layout matches, naming the paths.
+    CheckpointError: neither layout matches (reason "mismatch"), naming the
+      paths.
   """
   saved, want = _paths(saved_tree), _paths(saveable)
   if saved == want:
@@ -177,4 +178,4 @@ def plain_layout(saved_tree: Any, saveable: Any
     msg += f"\n    in the checkpoint, not in the target: {fmt(saved - want)}"
   if want - saved:
     msg += f"\n    in the target, not in the checkpoint: {fmt(want - saved)}"
-  raise _errors.CheckpointMismatchError(msg)
+  raise _errors.mismatch(msg)

@@ -42,6 +42,16 @@ class CheckpointManager:
 
   Attributes:
     restored_step: the step the last successful `restore` read (None before).
+
+  Example:
+    >>> import tempfile; from jmp_amp import checkpoint
+    >>> with checkpoint.CheckpointManager(tempfile.mkdtemp(),
+    ...                                   max_to_keep=2) as mngr:
+    ...   for step in range(3):
+    ...     _ = mngr.save(step, {"w": jnp.full(2, float(step))})
+    ...   state = mngr.restore({"w": jnp.zeros(2)})
+    >>> mngr.all_steps(), mngr.restored_step, state["w"].tolist()
+    ([1, 2], 2, [2.0, 2.0])
   """
 
   def __init__(self, directory: PathLike, *, max_to_keep: Optional[int] = None,
@@ -86,7 +96,7 @@ class CheckpointManager:
       state: the pytree to save.
       overwrite: if `step` or later steps exist (a rerun into an old
         directory), delete them and write this one, so that the directory
-        then ends at `step`. Without it, that raises `CheckpointExistsError`.
+        then ends at `step`. Without it, that raises `CheckpointError`.
       force: save even if `save_interval_steps` would skip this step.
 
     Returns:
@@ -94,7 +104,8 @@ class CheckpointManager:
       `save_interval_steps` skips `step`).
 
     Raises:
-      CheckpointExistsError: `step` exists, or is below the latest step.
+      CheckpointError: `step` exists, or is below the latest step (reason
+        ``"exists"``).
     """
     step = _check_step(step)
     overwrite = _check_bool(overwrite, "overwrite")
@@ -120,27 +131,27 @@ class CheckpointManager:
     if existing and not overwrite:
       what = (f"step {step} already exists" if step in existing else
               f"step {step} is below the latest step {max(existing)}")
-      raise _errors.CheckpointExistsError(
+      raise _errors.exists(
           f"cannot save checkpoint step {step} in {self.directory}: {what}. "
           f"Pass overwrite=True to delete steps {existing} and write step "
-          f"{step}, or save to a new directory.", step, existing)
+          f"{step}, or save to a new directory.", step)
     for s in existing:
       self._manager.delete(s)
     return self._manager.save(step, args=_layout.save_args(saveable, meta),
                               force=force)
 
   def _corrupted(self, step: int, error: BaseException
-                 ) -> _errors.CheckpointCorruptedError:
+                 ) -> _errors.CheckpointError:
     where = _integrity.damaged_file(self._step_dir(step), error)
     where_text = f", file {where}" if where else ""
-    return _errors.CheckpointCorruptedError(
+    return _errors.corrupted(
         f"checkpoint step {step} in {self.directory} is damaged or incomplete"
         f"{where_text}: {type(error).__name__}: "
         f"{_integrity.first_line(error)}", step=step, where=where)
 
   def _damaged(self, step: int, what: str, where: str
-               ) -> _errors.CheckpointCorruptedError:
-    return _errors.CheckpointCorruptedError(
+               ) -> _errors.CheckpointError:
+    return _errors.corrupted(
         f"checkpoint step {step} in {self.directory}: {what}", step=step,
         where=where)
 
@@ -148,11 +159,11 @@ class CheckpointManager:
     """The description saved with checkpoint `step` (default: latest).
 
     Raises:
-      CheckpointCorruptedError: the metadata is missing or unreadable.
+      CheckpointError: the metadata is missing or unreadable ("corrupted").
     """
     step = self._resolve_step(step)
     if not os.path.isdir(os.path.join(self._step_dir(step), _layout.META)):
-      raise _errors.CheckpointCorruptedError(
+      raise _errors.corrupted(
           f"checkpoint step {step} in {self.directory} has no jmp_amp "
           "metadata: it is damaged, or was not written by "
           "jmp_amp.checkpoint. A plain orbax checkpoint (e.g. from a jmp run) "
@@ -181,8 +192,8 @@ class CheckpointManager:
       step: the step to restore; None for the latest.
       cast_dtypes: accept dtype differences and cast to the target's dtypes
         (after the checksums are verified in the saved dtypes).
-      fallback: if the step is damaged, warn (`CheckpointFallbackWarning`)
-        and try the next older step, down to the oldest. `restored_step` says
+      fallback: if the step is damaged, warn (a UserWarning naming the
+        skipped steps) and try the next older step, down to the oldest. `restored_step` says
         which step was read.
       verify: check the target against the saved description and every array
         against its checksum. False restores a plain orbax checkpoint (one
@@ -191,10 +202,10 @@ class CheckpointManager:
 
     Raises:
       FileNotFoundError: no checkpoint (at `step`).
-      CheckpointMismatchError: `target` differs from what was saved.
-      CheckpointCorruptedError: the files are damaged (every candidate step,
-        with `fallback`), or a restored loss scale or FP8 amax history is
-        invalid (`InvalidLossScaleError`, `InvalidFP8StateError`).
+      CheckpointError: `target` differs from what was saved (reason
+        ``"mismatch"``), or the files are damaged (every candidate step,
+        with `fallback`) or hold an invalid loss scale or FP8 amax history
+        (``"corrupted"``).
     """
     cast_dtypes = _check_bool(cast_dtypes, "cast_dtypes")
     fallback = _check_bool(fallback, "fallback")
@@ -204,12 +215,12 @@ class CheckpointManager:
     if fallback:
       candidates += sorted((s for s in self.all_steps() if s < first),
                            reverse=True)
-    damaged: list[_errors.CheckpointCorruptedError] = []
+    damaged: list[_errors.CheckpointError] = []
     for s in candidates:
       try:
         out = self._restore_step(target, s, cast_dtypes, verify)
-      except _errors.CheckpointCorruptedError as e:
-        if not fallback:
+      except _errors.CheckpointError as e:
+        if not fallback or e.reason != _errors.CORRUPTED:
           raise
         damaged.append(e)
         continue
@@ -218,10 +229,10 @@ class CheckpointManager:
             f"restored checkpoint step {s} of {self.directory}, not step "
             f"{first}: skipped damaged steps "
             f"{[e.step for e in damaged]}; the first: {damaged[0]}",
-            _errors.CheckpointFallbackWarning, stacklevel=2)
+            UserWarning, stacklevel=2)
       self.restored_step = s
       return out
-    raise _errors.CheckpointCorruptedError(
+    raise _errors.corrupted(
         f"no intact checkpoint in {self.directory}: steps {candidates} are all "
         f"damaged; step {first}: {damaged[0]}", step=first,
         where=damaged[0].where) from damaged[0]
@@ -259,10 +270,10 @@ class CheckpointManager:
     # (e.g. a custom node turned into a dict), which would reorder leaves.
     want_def = jax.tree_util.tree_structure(saveable)
     if jax.tree_util.tree_structure(state) != want_def:
-      raise _errors.CheckpointMismatchError(
+      raise _errors.mismatch(
           f"orbax restored a tree of a different structure than the target:\n"
           f"  restored: {jax.tree_util.tree_structure(state)}\n"
-          f"  target:   {want_def}")
+          f"  target:   {want_def}", step)
     if meta is not None:
       self._verify_checksums(step, meta, state)
     if cast_dtypes:
@@ -271,9 +282,9 @@ class CheckpointManager:
       # Checked before the target's NNX objects are updated in place.
       _compat.check_loss_scales(_nnx.copies(target, state))
       _fp8.check_histories(state)
-    except (_errors.InvalidLossScaleError, _errors.InvalidFP8StateError) as e:
-      raise type(e)(f"checkpoint step {step} in {self.directory}: {e}",
-                    step=step, where=e.where) from None
+    except _errors.CheckpointError as e:
+      raise _errors.corrupted(f"checkpoint step {step} in {self.directory}: "
+                              f"{e}", step, e.where) from None
     return _nnx.update_objects(target, state)
 
   def _verify_checksums(self, step: int, meta: dict[str, Any],
@@ -397,9 +408,16 @@ def save(directory: PathLike, state: Any, step: int, *,
          overwrite: bool = False, force: bool = False) -> None:
   """Saves `state` as checkpoint `step` under `directory` and waits for it.
 
+  Example (a state with a loss scale and NNX modules: `jmp_amp.checkpoint`):
+    >>> import tempfile; from jmp_amp import checkpoint
+    >>> run_dir = tempfile.mkdtemp()
+    >>> checkpoint.save(run_dir, {"w": jnp.arange(3.0), "epoch": 2}, step=10)
+    >>> checkpoint.latest_step(run_dir)
+    10
+
   Raises:
-    CheckpointExistsError: `step` exists or is below the latest step, and
-      `overwrite` is False (see `CheckpointManager.save`).
+    CheckpointError: `step` exists or is below the latest step, and
+      `overwrite` is False (reason ``"exists"``).
   """
   with CheckpointManager(directory) as mngr:
     mngr.save(step, state, overwrite=overwrite, force=force)
@@ -413,13 +431,19 @@ def restore(directory: PathLike, target: Any, step: Optional[int] = None, *,
 
   See `CheckpointManager.restore` for the arguments.
 
+  Example:
+    >>> import tempfile; from jmp_amp import checkpoint
+    >>> run_dir = tempfile.mkdtemp()
+    >>> for step in (1, 2):
+    ...   checkpoint.save(run_dir, {"w": jnp.full(2, float(step))}, step)
+    >>> checkpoint.restore(run_dir, {"w": jnp.zeros(2)}, step=1)["w"].tolist()
+    [1.0, 1.0]
+
   Raises:
     FileNotFoundError: no checkpoint there.
-    CheckpointMismatchError: `target`'s structure, shapes, dtypes, loss-scale
-      hyper-parameters or FP8 recipes differ from the checkpoint's (a
-      ValueError).
-    CheckpointCorruptedError: the checkpoint's files are damaged (a
-      ValueError).
+    CheckpointError: `target`'s structure, shapes, dtypes, loss-scale
+      hyper-parameters or FP8 recipes differ from the checkpoint's (reason
+      ``"mismatch"``), or the checkpoint is damaged (``"corrupted"``).
   """
   with CheckpointManager(_existing_directory(directory)) as mngr:
     return mngr.restore(target, step, cast_dtypes=cast_dtypes,
@@ -432,13 +456,22 @@ def restore_latest(directory: PathLike, target: Any, *,
   """Restores the newest intact checkpoint; returns ``(state, step)``.
 
   With `fallback` (the default), a damaged latest step is skipped with a
-  `CheckpointFallbackWarning` and the next older intact one is restored.
+  UserWarning and the next older intact one is restored.
+
+  Example (a resumed run: the state of the newest step, and that step):
+    >>> import tempfile; from jmp_amp import checkpoint
+    >>> run_dir = tempfile.mkdtemp()
+    >>> for step in (100, 200):
+    ...   checkpoint.save(run_dir, {"w": jnp.full(2, float(step))}, step)
+    >>> state, step = checkpoint.restore_latest(run_dir, {"w": jnp.zeros(2)})
+    >>> step, state["w"].tolist()
+    (200, [200.0, 200.0])
 
   Raises:
     FileNotFoundError: no checkpoint there.
-    CheckpointMismatchError: `target` differs from the checkpoint.
-    CheckpointCorruptedError: no intact step (with `fallback`), or the latest
-      step is damaged (without).
+    CheckpointError: `target` differs from the checkpoint (reason
+      ``"mismatch"``), no step is intact (with `fallback`), or the latest is
+      damaged (without; ``"corrupted"``).
   """
   with CheckpointManager(_existing_directory(directory)) as mngr:
     state = mngr.restore(target, None, cast_dtypes=cast_dtypes,
@@ -447,7 +480,17 @@ def restore_latest(directory: PathLike, target: Any, *,
 
 
 def latest_step(directory: PathLike) -> Optional[int]:
-  """The newest committed checkpoint step in `directory`, or None."""
+  """The newest committed checkpoint step in `directory`, or None.
+
+  Example (resume if there is something to resume):
+    >>> import tempfile; from jmp_amp import checkpoint
+    >>> run_dir = tempfile.mkdtemp()
+    >>> print(checkpoint.latest_step(run_dir))
+    None
+    >>> checkpoint.save(run_dir, {"w": jnp.ones(2)}, step=7)
+    >>> checkpoint.latest_step(run_dir)
+    7
+  """
   directory = _check_directory(directory)
   if not os.path.isdir(directory):
     return None

@@ -3,7 +3,7 @@
 * Rules (`jmp_amp.flax.rules`): ``{module class or path glob: policy}``,
   the most specific match wins, ``"*"`` the default; `mixed_rules` pins
   norms to float32. A policy is a `jmp_amp.Policy` or its string, or FP8:
-  ``"float8"`` or a `jmp_amp.fp8.FP8Recipe` (see `jmp_amp.flax.fp8`).
+  ``"float8"`` or a `jmp_amp.flax.fp8.FP8Policy` (see `jmp_amp.flax.fp8`).
 * NNX: `set_policies(model, rules)` in place, through the modules' dtype and
   matmul knobs; `cast_boundary` for module methods that compute without
   knobs; `get_policies`, `clear_policies`.

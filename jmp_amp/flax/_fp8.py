@@ -32,7 +32,14 @@ class FP8Meta(nnx.Variable):
   """amax history of one tensor of an FP8 matmul (float32, newest first).
 
   Updated by overwriting it with its gradient (`value_and_grad`), never by
-  an optimizer.
+  an optimizer. As an NNX filter, it selects a model's FP8 state.
+
+  Example:
+    >>> import jmp_amp.flax
+    >>> m = jmp_amp.flax.set_policies(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+    ...     jmp_amp.flax.fp8.FP8Policy(keep_first_last=False))
+    >>> sorted(nnx.state(m, jmp_amp.flax.fp8.FP8Meta)["dot_general"])
+    ['grad_amax_history', 'lhs_amax_history', 'rhs_amax_history']
   """
 
 
@@ -83,10 +90,7 @@ class FP8Op(nnx.Module):
 
 
 class FP8DotGeneral(FP8Op):
-  """A ``dot_general`` knob value (nnx.Linear, nnx.LinearGeneral) in FP8.
-
-  See `FP8Op` for its attributes; calls `jmp_amp.fp8.dot_general`.
-  """
+  """The ``dot_general`` knob (nnx.Linear): `jmp_amp.fp8.dot_general`."""
 
   knob = "dot_general"
 
@@ -100,10 +104,7 @@ class FP8DotGeneral(FP8Op):
 
 
 class FP8Einsum(FP8Op):
-  """An ``einsum_op`` knob value (nnx.Einsum) in FP8.
-
-  Calls `jmp_amp.fp8.einsum` with the two operands nnx.Einsum passes.
-  """
+  """The ``einsum_op`` knob (nnx.Einsum): `jmp_amp.fp8.einsum`."""
 
   knob = "einsum_op"
 
@@ -154,14 +155,15 @@ class FP8Policy:
   With `keep_first_last`, the model's first and last matmul modules in call
   order get only that bfloat16 policy: `set_policies` needs
   ``example_args`` to find the order, unless list indices decide it
-  (``layers/0`` ... ``layers/N``), and raises without them. The string ``"float8"`` in a rule means
-  ``FP8Policy()``, an `FP8Recipe` means ``FP8Policy(recipe)``; write an
-  `FP8Policy` for the other fields. `jmp_amp.flax.get_policies` gives it
-  for the modules whose matmul runs in FP8.
+  (``layers/0`` ... ``layers/N``), and raises without them. It is the one
+  FP8 rule value: the string ``"float8"`` is its short form,
+  ``FP8Policy()``; a bare `jmp_amp.fp8.FP8Recipe` is refused (write
+  ``FP8Policy(recipe)``). `jmp_amp.flax.get_policies` gives it for the
+  modules whose matmul runs in FP8.
 
   Example:
     >>> from jmp_amp.flax import fp8
-    >>> recipe = jmp_amp.fp8.delayed_scaling(8)
+    >>> recipe = jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=8)
     >>> str(fp8.FP8Policy()), str(fp8.FP8Policy(recipe))
     ('float8', 'float8(delayed, history_len=8)')
     >>> str(fp8.FP8Policy().policy)
@@ -177,8 +179,9 @@ class FP8Policy:
   param_dtype: Any = jnp.float32
 
   def __post_init__(self):
-    # Not a pytree node (a static rule value), so normalising here is safe.
-    object.__setattr__(self, "recipe", as_recipe(self.recipe))
+    if not isinstance(self.recipe, fp8_lib.FP8Recipe):
+      raise TypeError(f"recipe must be a jmp_amp.fp8.FP8Recipe, got "
+                      f"{self.recipe!r}")
     if not isinstance(self.keep_first_last, bool):
       raise TypeError(f"keep_first_last must be a bool, got "
                       f"{self.keep_first_last!r}")
@@ -214,13 +217,20 @@ class FP8Policy:
     return "float8" + (f"({', '.join(parts)})" if parts else "")
 
 
-def as_fp8_policy(value: Any) -> Optional[FP8Policy]:
-  """`value` as an `FP8Policy` if it names FP8 ("float8", a recipe), else None.
+def as_fp8_policy(value: Any, rule: str = "") -> Optional[FP8Policy]:
+  """`value` as an `FP8Policy` if it is one or ``"float8"``, else None.
+
+  Raises:
+    TypeError: `value` is a bare `FP8Recipe` (of the rule `rule`).
   """
   if isinstance(value, FP8Policy):
     return value
   if isinstance(value, fp8_lib.FP8Recipe):
-    return FP8Policy(value)
+    raise TypeError(
+        f"Rule {rule + ' ' if rule else ''}has a jmp_amp.fp8.FP8Recipe as its "
+        "value; a rule value is a policy: write "
+        "jmp_amp.flax.fp8.FP8Policy(recipe), or 'float8' for the default "
+        "recipe.")
   if fp8_lib.is_fp8_name(value):
     return FP8Policy()
   return None
@@ -281,8 +291,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False,
     >>> from jmp_amp import models
     >>> model = jmp_amp.flax.set_policies(
     ...     models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0)),
-    ...     jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.delayed_scaling(4),
-    ...                                keep_first_last=False))
+    ...     jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(
+    ...         scaling="delayed", history_len=4), keep_first_last=False))
     >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     >>> @nnx.jit
     ... def step(model, opt, x, y):
@@ -319,18 +329,6 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False,
 
 # --------------------------------------------------------------------------
 # Converting modules.
-
-
-def as_recipe(recipe: Any) -> fp8_lib.FP8Recipe:
-  """An `FP8Recipe` from a recipe, None/"current" or "delayed"."""
-  if recipe is None or recipe == "current":
-    return fp8_lib.FP8Recipe()
-  if recipe == "delayed":
-    return fp8_lib.delayed_scaling()
-  if isinstance(recipe, fp8_lib.FP8Recipe):
-    return recipe
-  raise TypeError(f"recipe must be an FP8Recipe, 'current' or 'delayed', "
-                  f"got {recipe!r}")
 
 
 def warn_nothing_converted(what: str, why: str, stacklevel: int) -> None:

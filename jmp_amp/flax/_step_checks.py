@@ -84,13 +84,13 @@ def with_localiser(run: Callable[..., Any], loss_fn: Callable[..., Any],
     n = run_length[0]
     if n & (n - 1):  # Not a power of two: rate-limited.
       return metrics
-    report = numerics_lib.find_nonfinite(model, loss_fn, batch,
+    report = numerics_lib.localise_model(model, loss_fn, batch,
                                          loss_scale=scale)
     if report is None:
       report = localise.NonFinite(
           primitive="unknown", direction="unknown", module=None,
           source=", ".join(s for s in (
-              "jmp_amp.flax.numerics.find_nonfinite", replay_note) if s),
+              "jmp_amp.numerics.find_nonfinite", replay_note) if s),
           name_stack="", in_dtypes=(), out_dtypes=(), max_finite=0.0,
           outputs=())
     report = dataclasses.replace(

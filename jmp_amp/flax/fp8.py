@@ -1,18 +1,18 @@
 """FP8 matmuls for Flax NNX models, applied from outside.
 
-The front door is a rule value of `jmp_amp.flax.set_policies`: ``"float8"``
-(current scaling) or a `jmp_amp.fp8.FP8Recipe` (the recipe as data, e.g.
-``jmp_amp.fp8.delayed_scaling(16)``) makes the modules a rule decides run
-their matmuls in FP8, so one rules dict mixes bfloat16, float32 and FP8
-modules. `FP8Policy` is the same rule value with its other options
-(``keep_first_last``, ``param_dtype``), and what `jmp_amp.flax.get_policies`
-reports for an FP8 module. Plain functions get FP8 from
-``jmp_amp.autocast(fn, "float8")``.
+The front door is a rule value of `jmp_amp.flax.set_policies`: `FP8Policy`,
+or its short form ``"float8"`` (``FP8Policy()``: current scaling), makes the
+modules a rule decides run their matmuls in FP8, so one rules dict mixes
+bfloat16, float32 and FP8 modules. ``FP8Policy(recipe)`` takes the scaling
+recipe as data (a `jmp_amp.fp8.FP8Recipe`, e.g. ``FP8Recipe(scaling=
+"delayed", history_len=16)``) and the other options (``keep_first_last``,
+``param_dtype``); `jmp_amp.flax.get_policies` reports it for an FP8 module.
+Plain functions get FP8 from ``jmp_amp.autocast(fn, "float8")``.
 
 A module that can run in FP8 has a matmul knob: ``dot_general``
 (`nnx.Linear`, `nnx.LinearGeneral`, your own module with that knob),
 ``einsum_op`` (`nnx.Einsum`) or ``conv_general_dilated`` (`nnx.Conv`). The
-knob gets an `FP8Op` (``FP8DotGeneral``, ``FP8Einsum`` or
+knob gets an FP8 op (``FP8DotGeneral``, ``FP8Einsum`` or
 ``FP8ConvGeneralDilated``) that runs the matmul with `float8_e4m3fn`
 operands forward and `float8_e5m2` gradients backward (see `jmp_amp.fp8`),
 and the module computes and returns the recipe's compute dtype (bfloat16).
@@ -37,7 +37,7 @@ compute on FP8-rounded values, so the numerics are FP8's; only a third of a
 convolution's FLOPs run on FP8 tensor cores. Einsums and dot_generals get
 FP8 cuBLAS GEMMs forward and backward.
 
-State: each `FP8Op` holds its amax histories as `FP8Meta` variables, part of
+State: each FP8 op holds its amax histories as `FP8Meta` variables, part of
 the model's state: they go through `nnx.split`/`nnx.merge`, `nnx.jit`,
 sharding and `jmp_amp.checkpoint` like any other variable, and a resumed run
 continues bitwise. `histories` reads them. The new histories are computed
@@ -76,19 +76,13 @@ Example:
 
 from __future__ import annotations
 
-# The three kinds of FP8Op, one per matmul knob (for isinstance checks).
-from jmp_amp.flax._fp8 import FP8ConvGeneralDilated
-from jmp_amp.flax._fp8 import FP8DotGeneral
-from jmp_amp.flax._fp8 import FP8Einsum
 from jmp_amp.flax._fp8 import FP8Meta
-from jmp_amp.flax._fp8 import FP8Op
 from jmp_amp.flax._fp8 import FP8Policy
 from jmp_amp.flax._fp8 import histories
 from jmp_amp.flax._fp8 import value_and_grad
 
 __all__ = (
     "FP8Meta",
-    "FP8Op",
     "FP8Policy",
     "histories",
     "value_and_grad",

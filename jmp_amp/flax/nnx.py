@@ -119,10 +119,10 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
   Calling it again replaces the previous policies (modules that no rule
   matches any more get their original knobs back).
 
-  A rule whose value is ``"float8"`` or a `jmp_amp.fp8.FP8Recipe` runs the
-  matmul modules it decides in FP8 (except the model's first and last) and
-  everything else it decides in bfloat16; see `jmp_amp.flax.fp8`. If FP8
-  rules convert no module, a UserWarning says why.
+  A rule whose value is ``"float8"`` or a `jmp_amp.flax.fp8.FP8Policy` runs
+  the matmul modules it decides in FP8 (except the model's first and last)
+  and everything else it decides in bfloat16; see `jmp_amp.flax.fp8`. If
+  FP8 rules convert no module, a UserWarning says why.
 
   Example:
     >>> import jmp_amp.flax
@@ -366,7 +366,7 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
           f"rowwise FP8 scaling is for dot_general and einsum (nnx.Linear, "
           f"nnx.LinearGeneral, nnx.Einsum); module "
           f"{fp8_lib.path_str(path)!r} is a convolution. Give it "
-          f"FP8Recipe(scaling='current') or 'delayed', or a non-FP8 policy.")
+          f"'float8' (current scaling), or a non-FP8 policy.")
   if not chosen and any(isinstance(rule.policy, fp8_lib.FP8Policy)
                         for rule in ruleset.all_rules):
     if not any(fp8_lib.knob(m) for _, m in modules):

@@ -12,10 +12,10 @@ made the first inf/NaN.
   numerics=select)`` does both and returns them as ``metrics["numerics"]``
   (``{path: {"out": stats, "grad": stats}}``); print them with
   `jmp_amp.numerics.format_stats`.
-* `find_nonfinite(model, loss_fn, batch)`: the first equation of the
-  forward or backward pass that turned finite values into inf/NaN, with its
-  module path, a suggested rule keeping that module in float32, and whether
-  that rule, applied, removes every inf/NaN. ``make_train_step(...,
+* `localise_model(model, loss_fn, batch)`: what
+  ``jmp_amp.numerics.find_nonfinite(loss_fn, model, batch)`` runs for a Flax
+  model: the first op making inf/NaN, its module path, a float32 rule for
+  that module and whether it removes every inf/NaN. ``make_train_step(...,
   on_nonfinite=print)`` runs it on skipped steps and reports each distinct
   event (a new site, an inf/NaN in the inputs or the forward pass, a
   non-finite that persists after the loss-scale backoffs).
@@ -66,7 +66,7 @@ from jmp_amp.flax import _select as select_lib
 from jmp_amp.flax import nnx as nnx_lib
 from jmp_amp.flax import rules as rules_lib
 
-__all__ = ("find_nonfinite", "grad_stats", "watch")
+__all__ = ("grad_stats", "watch")
 
 Select = select_lib.Select
 _Selector = select_lib.Selector
@@ -145,6 +145,14 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
 
   Yields:
     A `Seen` whose ``outputs`` fill up as the modules are called.
+
+  Example:
+    >>> import jmp_amp.flax.numerics as numerics
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> with numerics.watch(model, "**") as seen:  # "" is the root's path
+    ...   _ = model(jnp.ones((1, 2)))
+    >>> sorted(seen.outputs[""])
+    ['max_abs', 'nonfinite', 'underflow', 'zeros']
   """
   seen = Seen(_selector(select))
   if model is None:
@@ -207,6 +215,14 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
   (from `set_policies`; float32 without a policy): where these gradients
   lived before the cast to the param dtype. Gradients taken of a scaled
   loss are the scaled ones.
+
+  Example:
+    >>> import jmp_amp.flax.numerics as numerics
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+    >>> stats = numerics.grad_stats(model, grads, "**")
+    >>> sorted(stats), float(stats["layers/0"]["max_abs"])
+    (['layers/0'], 1.0)
 
   Args:
     model: the NNX model (None: `grads` is a linen params tree).
@@ -401,60 +417,16 @@ def _fixed_rules(model: nnx.Module, rules: Any, path: str) -> Any:
   return derived
 
 
-def find_nonfinite(model: Union[nnx.Module, nn.Module],
+def localise_model(model: Union[nnx.Module, nn.Module],
                    loss_fn: Callable[[Any, Any], Any], batch: Any, *,
                    loss_scale: Any = None, rules: Any = None,
                    variables: Any = None, verify: bool = True,
                    backward: bool = True) -> Optional[localise.NonFinite]:
-  """The first op of ``loss_fn(model, batch)`` (and its gradient) making
-  inf/NaN, with its module path and a float32 rule for that module.
+  """``jmp_amp.numerics.find_nonfinite(loss_fn, model, batch, ...)``.
 
-  Runs outside `jit`, op by op (see `jmp_amp.numerics.find_nonfinite`):
-  about the cost of an unfused forward and backward pass, plus, to verify
-  the rule, one compile and run of the loss and its gradient on a copy of
-  the model. The model is not changed.
-
-  Example:
-    >>> import jmp_amp.flax
-    >>> import jmp_amp.flax.numerics as numerics
-    >>> model = nnx.Sequential(nnx.Linear(16, 4, rngs=nnx.Rngs(0)),
-    ...                        nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
-    >>> rules = jmp_amp.flax.mixed_rules("float16")
-    >>> _ = jmp_amp.flax.set_policies(model, rules)
-    >>> x = jnp.full((2, 16), 6e4)  # finite in float16; x @ kernel is not
-    >>> r = numerics.find_nonfinite(model, lambda m, x: jnp.mean(m(x)), x,
-    ...                             rules=rules)
-    >>> r.primitive, r.module, r.suggested_rule, r.fixed
-    ('dot_general', 'layers/0', {'layers/0': 'float32'}, True)
-
-  Args:
-    model: an NNX model (with its policies set, or not), or a linen module
-      (with `variables`; run through `jmp_amp.flax.apply_with_policies`
-      with `rules`).
-    loss_fn: ``loss_fn(model, batch)`` returning a scalar loss (or ``(loss,
-      aux)``), as for `jmp_amp.flax.make_train_step`; for linen `model` is
-      a callable ``model(*args, **kwargs)``, as for
-      `jmp_amp.flax.make_linen_train_step` (mutable collections are
-      updated inside and their updates dropped).
-    batch: the batch that went non-finite.
-    loss_scale: the loss scale of that step (a `jmp_amp.LossScale` or a
-      number): backward overflows often happen only at that scale.
-    rules: the rules the model's policies came from, for the verification
-      (the suggested rule is added to them); default: the policies
-      `get_policies` reports, one exact rule per module. For linen, the
-      rules to apply the module with (default: none).
-    variables: the linen module's variables (``params`` and any other
-      collection).
-    verify: re-run on a copy of the model with the suggested rule.
-    backward: also look at the gradient.
-
-  Returns:
-    A `jmp_amp.numerics.NonFinite`, or None if nothing went non-finite. An
-    inf/NaN already in the model's variables (a parameter, a BatchNorm
-    statistic) or in the batch is reported first, with direction
-    ``"input"``, the module path of the variable and ``argument`` naming it
-    (``"params layers/0/kernel"``, ``"batch['image']"``); no rule is
-    suggested for it.
+  The first op of ``loss_fn(model, batch)`` (and its gradient) making
+  inf/NaN, with its module path and a float32 rule for that module,
+  verified on a copy of the model; its arguments are documented there.
   """
   if isinstance(model, (nn.Module, nnx.Module)):
     report = _nonfinite_input(model, variables, batch)

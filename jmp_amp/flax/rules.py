@@ -10,8 +10,8 @@ A rules mapping goes from a *key* to a *policy*:
 * policy: a `jmp_amp.Policy`, a policy string (``"float32"``,
   ``"mixed_bfloat16"``, ``"p=f32,c=bf16,o=f32"``), or None to leave the
   matched modules as they are. For NNX models also FP8: ``"float8"`` or a
-  `jmp_amp.fp8.FP8Recipe` (a `jmp_amp.flax.fp8.FP8Policy` for its other
-  options): the matmul modules it decides run in FP8, except the model's
+  `jmp_amp.flax.fp8.FP8Policy` (its recipe and other options): the matmul
+  modules it decides run in FP8, except the model's
   first and last, and the rest of what it decides in bfloat16 (see
   `jmp_amp.flax.fp8`).
 
@@ -93,12 +93,10 @@ from jmp_amp._src import fp8 as fp8_core
 from jmp_amp.flax import _fp8 as fp8_lib
 from jmp_amp.flax._select import compile_pattern
 
-__all__ = ("NORM_CLASSES", "PolicyRules", "mixed_rules")
-
 DEFAULT_KEY = "*"
 ROOT_KEY = ""
 
-PolicyLike = Union[Policy, fp8_lib.FP8Policy, fp8_core.FP8Recipe, str, None]
+PolicyLike = Union[Policy, fp8_lib.FP8Policy, str, None]
 RuleKey = Union[type, str]
 
 
@@ -214,15 +212,16 @@ def resolve_policy(key: Any, value: Any, *, fp8: bool = True
   Args:
     key: the rule's key (for messages).
     value: the rule's value.
-    fp8: whether FP8 values ("float8", `FP8Policy`, `FP8Recipe`) are
-      accepted (NNX) or rejected (linen).
+    fp8: whether FP8 values ("float8", `FP8Policy`) are accepted (NNX) or
+      rejected (linen).
 
   Raises:
     ValueError: naming the rule and what is accepted.
+    TypeError: the value is a bare `FP8Recipe`, not an `FP8Policy`.
   """
   if value is None or isinstance(value, Policy):
     return value
-  fp8_policy = fp8_lib.as_fp8_policy(value)
+  fp8_policy = fp8_lib.as_fp8_policy(value, describe_key(key))
   if fp8_policy is not None:
     if not fp8:
       raise ValueError(
@@ -240,8 +239,8 @@ def resolve_policy(key: Any, value: Any, *, fp8: bool = True
   raise ValueError(
       f"Rule {describe_key(key)} has value {value!r} of type "
       f"{type(value).__name__}; expected a jmp_amp.Policy, a policy string "
-      "such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32', 'float8' (or an "
-      "FP8Recipe/FP8Policy), or None.")
+      "such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32', 'float8' (or a "
+      "jmp_amp.flax.fp8.FP8Policy), or None.")
 
 
 def describe_key(key: Any) -> str:

@@ -67,6 +67,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaled_loss_fn
+from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
 from jmp_amp.flax import _step_checks
@@ -155,7 +156,7 @@ def _like(new: Any, old: Any) -> Any:
 
 
 def _metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
-  metrics = {"loss": loss, **jmp_amp.scaling_metrics(opt_state)}
+  metrics = {"loss": loss, **scaling_metrics(opt_state)}
   if has_aux:
     metrics["aux"] = aux
   return metrics
@@ -231,15 +232,14 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       (see `jmp_amp.flax.numerics`; print with
       `jmp_amp.numerics.format_stats`). None compiles exactly the step
       without it.
-    on_nonfinite: None, or a callable given a `jmp_amp.numerics.NonFinite`
-      (from `jmp_amp.flax.numerics.find_nonfinite`, with ``step``,
-      ``loss_scale`` and ``repeats`` filled in) for every distinct
-      non-finite event (e.g. ``print``): a site (op and module, or input)
-      not reported before; an inf/NaN in the inputs or the forward pass,
-      each time it starts a run of non-finite steps; and a run of
-      non-finite steps that persists for 8 steps (then 16, 32, ...) in
-      spite of the loss-scale backoffs. A routine backoff at a site already
-      reported is not reported again. When the op-by-op replay finds no
+    on_nonfinite: None, or a callable given the report of
+      `jmp_amp.numerics.find_nonfinite` (with ``step``, ``loss_scale`` and
+      ``repeats`` filled in) for every distinct non-finite event (e.g.
+      ``print``): a site (op and module, or input) not reported before; an
+      inf/NaN in the inputs or the forward pass, each time it starts a run
+      of non-finite steps; and a run of non-finite steps that persists for
+      8 steps (then 16, 32, ...) in spite of the loss-scale backoffs. A
+      routine backoff at a site already reported is not reported again. When the op-by-op replay finds no
       culprit, the report says so (``primitive="unknown"``); the callback
       never gets None. Costs one host read of ``grads_finite`` per step
       (the step waits for the device) and, on the 1st, 2nd, 4th, 8th...

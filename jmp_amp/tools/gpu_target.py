@@ -155,6 +155,16 @@ class GpuReport:
     jax_version: the JAX that compiled it.
     lowered: the dots and convolutions of the program as JAX lowered it
       (`MatmulReport` at the lowered stage: what it asks for), when known.
+
+  Example (needs the ``gpu-audit`` extra; without a GPU, JAX_PLATFORMS=cpu):
+    >>> f8 = jmp_amp.autocast(lambda w, x: jnp.sum(x @ w), "float8")
+    >>> report = jmp_amp.gpu_report(jax.grad(f8, argnums=(0, 1)),
+    ...                             jnp.ones((256, 128)), jnp.ones((64, 256)))
+    >>> for gemm in sorted(report.gemms_by_dtype()): print(gemm)
+    float8_e4m3fn x float8_e5m2 -> f32
+    float8_e5m2 x float8_e4m3fn -> f32
+    >>> report.fp8_fallbacks()  # the FP8 layers whose GEMMs are not FP8
+    {}
   """
 
   target: str
@@ -384,11 +394,13 @@ def gpu_report(fn: Any, *args: Any, target: str = "h100", gemm: str = "default",
   memory and an estimate of bytes moved. Compare modes of one program by
   their ratios (float32 vs bf16...), not with measurements.
 
-  Example (needs the ``gpu-audit`` extra and ``JAX_PLATFORMS=cpu``)::
-
-    report = jmp_amp.gpu_report(train_step, state, batch, donate_argnums=0)
-    print(report)                    # GEMMs by dtype, kernels, memory, bytes
-    report.summary()["temp_bytes"]
+  Example (needs the ``gpu-audit`` extra; without a GPU, JAX_PLATFORMS=cpu):
+    >>> w = x = jnp.ones((256, 256), jnp.bfloat16)
+    >>> report = jmp_amp.gpu_report(lambda w, x: x @ w, w, x)
+    >>> print(report)  # GEMMs by dtype, kernels, memory, bytes moved
+    GpuReport [compiled for H100, no GPU, XLA's default options: ...]
+      GEMMs/convs: 1 (1 x bf16 x bf16 -> f32)
+    ...
 
   Args:
     fn: a function (an Equinox or Flax NNX module too) or an already-jitted

@@ -9,4 +9,3 @@ inner jaxprs; `casting` holds the casts and re-binding both share.
 
 from jmp_amp._src.autocast.interpreter import autocast
 from jmp_amp._src.autocast.rules import AutocastRules
-from jmp_amp._src.autocast.rules import DEFAULT_AUTOCAST_RULES

@@ -33,7 +33,6 @@ from jmp_amp._src.autocast.casting import is_float
 from jmp_amp._src.autocast.casting import narrow
 from jmp_amp._src.autocast.casting import widest
 from jmp_amp._src.autocast.rules import AutocastRules
-from jmp_amp._src.autocast.rules import DEFAULT_AUTOCAST_RULES
 from jmp_amp._src.autocast.rules import PASSTHROUGH
 from jmp_amp._src.policy import get_policy
 from jmp_amp._src.policy import Policy
@@ -225,7 +224,7 @@ def _as_policy(policy_or_dtype: Any
       raise ValueError(
           "autocast runs FP8 matmuls with current or rowwise scaling (it "
           "keeps no state between calls), got an FP8Recipe with "
-          "scaling='delayed'. For delayed scaling use 'float8' rules of "
+          "scaling='delayed'. For delayed scaling use an FP8Policy rule of "
           "jmp_amp.flax.set_policies (NNX) or jmp_amp.fp8.dot_general with "
           "an FP8State.")
     return Policy(_F32, recipe.compute_dtype, _F32), recipe
@@ -336,7 +335,7 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
       "f8") or a current- or rowwise-scaling `jmp_amp.fp8.FP8Recipe`: FP8
       matmuls (see above; convolutions scale per tensor) with float32
       outputs.
-    rules: the `AutocastRules`; default `DEFAULT_AUTOCAST_RULES`.
+    rules: the `AutocastRules`; default ``AutocastRules()``, torch's.
 
   Returns:
     A function with the signature of `fn`.
@@ -351,7 +350,7 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
                     f"{type(fn).__name__}: {fn!r}")
   policy, fp8_recipe = _as_policy(policy_or_dtype)
   if rules is None:
-    rules = DEFAULT_AUTOCAST_RULES
+    rules = AutocastRules()
   elif not isinstance(rules, AutocastRules):
     raise TypeError(f"rules must be an AutocastRules, got {rules!r}")
   ctx = _Context(np.dtype(policy.compute_dtype), rules, fp8_recipe)

@@ -1,7 +1,8 @@
 """Which primitive `autocast` runs in which dtype: the rule lists.
 
 `AutocastRules` holds four disjoint lists of JAX primitive names (half,
-float32, keep-half, promote); `DEFAULT_AUTOCAST_RULES` follows torch.autocast.
+float32, keep-half, promote); its defaults, ``AutocastRules()``, follow
+torch.autocast.
 This module also names the primitives that no list may hold, because the
 interpreter evaluates them structurally, passes their operands through, or can
 only run them in their traced dtypes.
@@ -141,8 +142,9 @@ def _primitive_name(prim: PrimitiveLike) -> str:
 class AutocastRules:
   """Which primitives `autocast` runs in half, in float32, or promoted.
 
-  Four disjoint frozensets of JAX primitive names (as printed in jaxprs).
-  Primitives on no list run "as traced": their inputs are cast back to the
+  Four disjoint frozensets of JAX primitive names (as printed in jaxprs);
+  ``AutocastRules()`` holds the defaults, which follow torch.autocast, and a
+  list not given keeps its default. Primitives on no list run "as traced": their inputs are cast back to the
   dtypes they had when the function was traced. That is always valid, so
   primitives autocast does not know (Pallas kernels, callbacks, custom calls)
   keep working. Rules are immutable and hashable; the `with_*` methods return
@@ -167,7 +169,7 @@ class AutocastRules:
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_amp
-    >>> rules = jmp_amp.DEFAULT_AUTOCAST_RULES
+    >>> rules = jmp_amp.AutocastRules()  # the defaults
     >>> rules.rule_for("dot_general"), rules.rule_for("add")
     ('half', 'keep_half')
     >>> rules = rules.with_float32("tanh").with_half(jax.lax.exp_p)
@@ -199,10 +201,10 @@ class AutocastRules:
       take part, as in JAX's own type promotion.
   """
 
-  half: frozenset = frozenset()
-  float32: frozenset = frozenset()
-  promote: frozenset = frozenset()
-  keep_half: frozenset = frozenset()
+  half: frozenset = frozenset(_DEFAULT_HALF)
+  float32: frozenset = frozenset(_DEFAULT_FLOAT32)
+  promote: frozenset = frozenset(_DEFAULT_PROMOTE)
+  keep_half: frozenset = frozenset(_DEFAULT_KEEP_HALF)
 
   def __post_init__(self):
     seen: dict[str, str] = {}
@@ -213,8 +215,10 @@ class AutocastRules:
       names = frozenset(_primitive_name(p) for p in value)
       for name in names:
         if name in seen:
-          raise ValueError(f"Primitive {name!r} is on both the {seen[name]!r} "
-                           f"and the {field!r} autocast lists.")
+          raise ValueError(
+              f"Primitive {name!r} is on both the {seen[name]!r} and the "
+              f"{field!r} autocast lists (a list not given keeps its "
+              "default; AutocastRules().with_<list>(...) moves primitives).")
         seen[name] = field
       object.__setattr__(self, field, names)
 
@@ -253,8 +257,3 @@ class AutocastRules:
     """Returns rules with `prims` on no list, so they run as traced."""
     return self._move(None, prims)
 
-
-DEFAULT_AUTOCAST_RULES = AutocastRules(
-    half=frozenset(_DEFAULT_HALF), float32=frozenset(_DEFAULT_FLOAT32),
-    keep_half=frozenset(_DEFAULT_KEEP_HALF),
-    promote=frozenset(_DEFAULT_PROMOTE))
