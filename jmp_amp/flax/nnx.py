@@ -74,6 +74,9 @@ import numpy as np
 from jmp_amp._src import ops
 from jmp_amp.flax import _common
 from jmp_amp.flax import _fp8 as fp8_lib
+from jmp_amp.flax import _fp8_op as fp8_op_lib
+from jmp_amp.flax import _fp8_policy as fp8_policy_lib
+from jmp_amp.flax import _fp8_select as fp8_select
 from jmp_amp.flax import _scan
 from jmp_amp.flax import rules as rules_lib
 
@@ -319,7 +322,7 @@ def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
   module, not modules of their own.
   """
   pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)
-           if not isinstance(m, fp8_lib.FP8Op)]
+           if not isinstance(m, fp8_op_lib.FP8Op)]
   return sorted(pairs, key=lambda pm: len(pm[0]))  # stable: keeps nnx order
 
 
@@ -334,26 +337,26 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
   module.
   """
   decided = [(p, m, resolved[p].policy) for p, m in modules
-             if isinstance(resolved[p].policy, fp8_lib.FP8Policy)]
+             if isinstance(resolved[p].policy, fp8_policy_lib.FP8Policy)]
   for path, module, _ in decided:
-    if (resolved[path].source == "rule" and not fp8_lib.knob(module)
+    if (resolved[path].source == "rule" and not fp8_op_lib.knob(module)
         and _own_params(module)):
-      fp8_lib.check_capable(path, module)
-  capable = [(p, pol) for p, m, pol in decided if fp8_lib.knob(m)]
+      fp8_select.check_capable(path, module)
+  capable = [(p, pol) for p, m, pol in decided if fp8_op_lib.knob(m)]
   if any(pol.keep_first_last for _, pol in capable):
-    ends = fp8_lib.end_paths(model, example_args, {
+    ends = fp8_select.end_paths(model, example_args, {
         p for p, pol in capable if pol.keep_first_last})
   else:
     ends = set()
   mods = dict(modules)
   for path in sorted(ends):
-    if fp8_lib.stack_shape(mods[path]):
+    if fp8_op_lib.stack_shape(mods[path]):
       # One module stands for every layer of a scanned stack: keeping it in
       # bfloat16 would keep all its layers, not the first or last.
       raise ValueError(
           f"FP8's first or last matmul module {_path_str(path)!r} is stacked "
           f"(layers run under nnx.scan, kernel axes "
-          f"{fp8_lib.stack_shape(mods[path])} in front): keep_first_last "
+          f"{fp8_op_lib.stack_shape(mods[path])} in front): keep_first_last "
           "cannot keep one layer of a stack in bfloat16. Give it the rule "
           "value jmp_amp.flax.fp8.FP8Policy(recipe, keep_first_last=False) "
           "(every layer FP8), or a non-FP8 policy (every layer bfloat16).")
@@ -361,15 +364,15 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
   by_path = {p: m for p, m, _ in decided}
   for path, pol in capable:
     if (path in chosen and pol.recipe.scaling == "rowwise"
-        and fp8_lib.knob(by_path[path]) == "conv_general_dilated"):
+        and fp8_op_lib.knob(by_path[path]) == "conv_general_dilated"):
       raise ValueError(
           f"rowwise FP8 scaling is for dot_general and einsum (nnx.Linear, "
           f"nnx.LinearGeneral, nnx.Einsum); module "
-          f"{fp8_lib.path_str(path)!r} is a convolution. Give it "
+          f"{fp8_select.path_str(path)!r} is a convolution. Give it "
           f"'float8' (current scaling), or a non-FP8 policy.")
-  if not chosen and any(isinstance(rule.policy, fp8_lib.FP8Policy)
+  if not chosen and any(isinstance(rule.policy, fp8_policy_lib.FP8Policy)
                         for rule in ruleset.all_rules):
-    if not any(fp8_lib.knob(m) for _, m in modules):
+    if not any(fp8_op_lib.knob(m) for _, m in modules):
       why = ("it has no module with a matmul knob (nnx.Linear, "
              "nnx.LinearGeneral, nnx.Einsum, nnx.Conv)")
     elif not capable:
@@ -381,7 +384,7 @@ def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
              "the model's first and last, which FP8 keeps in bfloat16 "
              "(keep_first_last); to convert them too, give them the rule "
              "value jmp_amp.flax.fp8.FP8Policy(keep_first_last=False)")
-    fp8_lib.warn_nothing_converted(type(model).__name__, why, stacklevel=3)
+    fp8_select.warn_nothing_converted(type(model).__name__, why, stacklevel=3)
   return chosen
 
 
@@ -437,7 +440,7 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
   (they would promote the computation to the param dtype), and a module that
   a rule names directly for an output dtype it has no means to produce.
   """
-  fp8_policy = policy if isinstance(policy, fp8_lib.FP8Policy) else None
+  fp8_policy = policy if isinstance(policy, fp8_policy_lib.FP8Policy) else None
   if fp8_policy is not None:
     policy = fp8_policy.policy
   attrs = vars(module)

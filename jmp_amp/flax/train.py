@@ -70,6 +70,7 @@ from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
+from jmp_amp.flax import _fp8_op
 from jmp_amp.flax import _step_checks
 from jmp_amp.flax import numerics as numerics_lib
 
@@ -265,7 +266,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     _step_checks.check_optimizer(optimizer)
     # The FP8 amax histories are differentiated too: their "gradients" are
     # their new values, which value_and_grad writes into the model.
-    diff = nnx.Any(wrt, _fp8.FP8Meta)
+    diff = nnx.Any(wrt, _fp8_op.FP8Meta)
     graphdef, _, rest = nnx.split(model, diff, ...)
     opt_state = _step_checks.optax_state(optimizer)
 
