@@ -1,8 +1,8 @@
-"""Which matmul modules FP8 can convert, and which are a model's first and last.
+"""Which matmul modules FP8 rules convert: `fp8_modules`, for `set_policies`.
 
-`check_capable` says why a module cannot run in FP8; `end_paths` finds the
-first and last matmul modules in call order (one abstract call with
-``example_args``, or list indices), which ``keep_first_last`` leaves out.
+An FP8 rule converts the modules it decides that have a matmul knob, except,
+with ``keep_first_last``, the model's first and last in call order
+(`end_paths`: one abstract call with ``example_args``, or list indices).
 `ordered_modules` lists a model's modules in path order, without FP8 ops.
 """
 
@@ -15,9 +15,75 @@ from flax import nnx
 from jax import lax
 import jax.numpy as jnp
 
+from jmp_amp.flax import _owners as owners_lib
+from jmp_amp.flax import rules as rules_lib
 from jmp_amp.flax._fp8_op import FP8Op
 from jmp_amp.flax._fp8_op import KNOBS
 from jmp_amp.flax._fp8_op import knob
+from jmp_amp.flax._fp8_op import stack_shape
+from jmp_amp.flax._fp8_policy import FP8Policy
+
+
+def fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
+                modules: list, resolved: dict,
+                example_args: Optional[tuple]) -> set[tuple]:
+  """Paths of the modules whose FP8 rule makes their matmul FP8.
+
+  Checks, before anything changes, that no FP8 rule names a module that
+  cannot run in FP8 and holds Params of its own (containers are fine: what
+  they hold inherits the rule). Warns, saying why, if FP8 rules convert no
+  module.
+  """
+  decided = [(p, m, resolved[p].policy) for p, m in modules
+             if isinstance(resolved[p].policy, FP8Policy)]
+  for path, module, _ in decided:
+    if (resolved[path].source == "rule" and not knob(module)
+        and owners_lib.own_params(module)):
+      check_capable(path, module)
+  capable = [(p, pol) for p, m, pol in decided if knob(m)]
+  if any(pol.keep_first_last for _, pol in capable):
+    ends = end_paths(model, example_args, {
+        p for p, pol in capable if pol.keep_first_last})
+  else:
+    ends = set()
+  mods = dict(modules)
+  for path in sorted(ends):
+    if stack_shape(mods[path]):
+      # One module stands for every layer of a scanned stack: keeping it in
+      # bfloat16 would keep all its layers, not the first or last.
+      raise ValueError(
+          f"FP8's first or last matmul module {path_str(path)!r} is stacked "
+          f"(layers run under nnx.scan, kernel axes "
+          f"{stack_shape(mods[path])} in front): keep_first_last "
+          "cannot keep one layer of a stack in bfloat16. Give it the rule "
+          "value jmp_amp.flax.fp8.FP8Policy(recipe, keep_first_last=False) "
+          "(every layer FP8), or a non-FP8 policy (every layer bfloat16).")
+  chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
+  by_path = {p: m for p, m, _ in decided}
+  for path, pol in capable:
+    if (path in chosen and pol.recipe.scaling == "rowwise"
+        and knob(by_path[path]) == "conv_general_dilated"):
+      raise ValueError(
+          f"rowwise FP8 scaling is for dot_general and einsum (nnx.Linear, "
+          f"nnx.LinearGeneral, nnx.Einsum); module "
+          f"{path_str(path)!r} is a convolution. Give it "
+          f"'float8' (current scaling), or a non-FP8 policy.")
+  if not chosen and any(isinstance(rule.policy, FP8Policy)
+                        for rule in ruleset.all_rules):
+    if not any(knob(m) for _, m in modules):
+      why = ("it has no module with a matmul knob (nnx.Linear, "
+             "nnx.LinearGeneral, nnx.Einsum, nnx.Conv)")
+    elif not capable:
+      why = ("the FP8 rules decide none of its matmul modules (other rules "
+             "decide them)")
+    else:
+      paths = ", ".join(repr(path_str(p) or "<root>") for p, _ in capable)
+      why = (f"the only matmul modules the FP8 rules decide ({paths}) are "
+             "the model's first and last, which FP8 keeps in bfloat16 "
+             "(keep_first_last); to convert them too, give them the rule "
+             "value jmp_amp.flax.fp8.FP8Policy(keep_first_last=False)")
+    warn_nothing_converted(type(model).__name__, why, stacklevel=3)
+  return chosen
 
 
 def warn_nothing_converted(what: str, why: str, stacklevel: int) -> None:
