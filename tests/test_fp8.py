@@ -21,7 +21,7 @@ import jmp_amp
 import jmp_amp.flax
 from jmp_amp._src import fp8
 from jmp_amp._src import fp8_ops
-from jmp_amp.flax import _fp8 as fp8_layers
+from jmp_amp.flax import _fp8_op as fp8_layers
 from jmp_amp.flax import fp8 as flax_fp8
 import models
 

@@ -185,8 +185,10 @@ def test_the_core_and_flax_never_import_the_tools():
       assert not tools, (name, tools)
 
 
-def test_tools_modules_stay_small():
+def test_no_module_is_over_500_lines():
+  """Issue 36: a module that outgrows 500 lines is split by job."""
   sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
-           for p in (PACKAGE / "tools").rglob("*.py")}
-  assert len(sizes) >= 10, sizes
-  assert max(sizes.values()) <= 500, sizes
+           for p in PACKAGE.rglob("*.py")}
+  assert len([p for p in sizes if p.startswith("jmp_amp/tools/")]) >= 10
+  over = {p: n for p, n in sizes.items() if n > 500}
+  assert not over, over

@@ -28,11 +28,11 @@ from jmp_amp.checkpoint import _nnx
 
 
 def _jmp_flax() -> Optional[Any]:
-  """`jmp_amp.flax._fp8` (its FP8Op, FP8Meta) where Flax is in use: no FP8
+  """`jmp_amp.flax._fp8_op` (its FP8Op, FP8Meta) where Flax is in use: no FP8
   op exists otherwise, and this package must not import Flax."""
   if _nnx.flax_nnx() is None:
     return None
-  from jmp_amp.flax import _fp8 as jmp_flax  # pylint: disable=g-import-not-at-top
+  from jmp_amp.flax import _fp8_op as jmp_flax  # pylint: disable=g-import-not-at-top
   return jmp_flax
 
 

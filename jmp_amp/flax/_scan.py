@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_amp._src import tensor_stats as stats_lib
-from jmp_amp.flax import _fp8 as fp8_lib
+from jmp_amp.flax import _fp8_op as fp8_op_lib
 from jmp_amp.flax import rules as rules_lib
 
 _CONTAINERS = (nnx.List, nnx.Dict)
@@ -38,7 +38,7 @@ _NORMS = tuple(c for c in rules_lib.NORM_CLASSES if issubclass(c, nnx.Module))
 def _leading_axes(module: Any) -> Optional[tuple[int, ...]]:
   """The axes stacked in front of a Flax layer's params; None for others."""
   if isinstance(module, (nnx.Linear, nnx.Einsum, nnx.Conv)):
-    return fp8_lib.stack_shape(module)
+    return fp8_op_lib.stack_shape(module)
   attrs = vars(module)
   if isinstance(module, nnx.LinearGeneral):
     name, rank = "kernel", (len(module.batch_axis) + len(module.in_features)

@@ -74,6 +74,10 @@ import numpy as np
 from jmp_amp._src import ops
 from jmp_amp.flax import _common
 from jmp_amp.flax import _fp8 as fp8_lib
+from jmp_amp.flax import _fp8_op as fp8_op_lib
+from jmp_amp.flax import _fp8_policy as fp8_policy_lib
+from jmp_amp.flax import _fp8_select as fp8_select
+from jmp_amp.flax import _owners as owners_lib
 from jmp_amp.flax import _scan
 from jmp_amp.flax import rules as rules_lib
 
@@ -83,8 +87,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _ATTR = "_jmp_amp_policy"
 _BOUNDARY_MARK = "__jmp_amp_cast_boundary__"
 _MISSING = object()
-# Modules that only hold others: what they hold belongs to their owner.
-_CONTAINERS = (nnx.List, nnx.Dict)
 
 # (knob, Flax's default values, float32-result replacement).
 _MATMUL_KNOBS = (
@@ -172,7 +174,8 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
   modules = _modules(model)
   resolved = _scan.resolve(ruleset, modules, strict=strict,
                            what=type(model).__name__)
-  fp8_paths = _fp8_modules(model, ruleset, modules, resolved, example_args)
+  fp8_paths = fp8_select.fp8_modules(model, ruleset, modules, resolved,
+                                      example_args)
   problems = []
   for path, module in modules:
     res = resolved[path]
@@ -319,97 +322,15 @@ def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
   module, not modules of their own.
   """
   pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)
-           if not isinstance(m, fp8_lib.FP8Op)]
+           if not isinstance(m, fp8_op_lib.FP8Op)]
   return sorted(pairs, key=lambda pm: len(pm[0]))  # stable: keeps nnx order
-
-
-def _fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
-                 modules: list, resolved: dict,
-                 example_args: Optional[tuple]) -> set[tuple]:
-  """Paths of the modules whose FP8 rule makes their matmul FP8.
-
-  Checks, before anything changes, that no FP8 rule names a module that
-  cannot run in FP8 and holds Params of its own (containers are fine: what
-  they hold inherits the rule). Warns, saying why, if FP8 rules convert no
-  module.
-  """
-  decided = [(p, m, resolved[p].policy) for p, m in modules
-             if isinstance(resolved[p].policy, fp8_lib.FP8Policy)]
-  for path, module, _ in decided:
-    if (resolved[path].source == "rule" and not fp8_lib.knob(module)
-        and _own_params(module)):
-      fp8_lib.check_capable(path, module)
-  capable = [(p, pol) for p, m, pol in decided if fp8_lib.knob(m)]
-  if any(pol.keep_first_last for _, pol in capable):
-    ends = fp8_lib.end_paths(model, example_args, {
-        p for p, pol in capable if pol.keep_first_last})
-  else:
-    ends = set()
-  mods = dict(modules)
-  for path in sorted(ends):
-    if fp8_lib.stack_shape(mods[path]):
-      # One module stands for every layer of a scanned stack: keeping it in
-      # bfloat16 would keep all its layers, not the first or last.
-      raise ValueError(
-          f"FP8's first or last matmul module {_path_str(path)!r} is stacked "
-          f"(layers run under nnx.scan, kernel axes "
-          f"{fp8_lib.stack_shape(mods[path])} in front): keep_first_last "
-          "cannot keep one layer of a stack in bfloat16. Give it the rule "
-          "value jmp_amp.flax.fp8.FP8Policy(recipe, keep_first_last=False) "
-          "(every layer FP8), or a non-FP8 policy (every layer bfloat16).")
-  chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
-  by_path = {p: m for p, m, _ in decided}
-  for path, pol in capable:
-    if (path in chosen and pol.recipe.scaling == "rowwise"
-        and fp8_lib.knob(by_path[path]) == "conv_general_dilated"):
-      raise ValueError(
-          f"rowwise FP8 scaling is for dot_general and einsum (nnx.Linear, "
-          f"nnx.LinearGeneral, nnx.Einsum); module "
-          f"{fp8_lib.path_str(path)!r} is a convolution. Give it "
-          f"'float8' (current scaling), or a non-FP8 policy.")
-  if not chosen and any(isinstance(rule.policy, fp8_lib.FP8Policy)
-                        for rule in ruleset.all_rules):
-    if not any(fp8_lib.knob(m) for _, m in modules):
-      why = ("it has no module with a matmul knob (nnx.Linear, "
-             "nnx.LinearGeneral, nnx.Einsum, nnx.Conv)")
-    elif not capable:
-      why = ("the FP8 rules decide none of its matmul modules (other rules "
-             "decide them)")
-    else:
-      paths = ", ".join(repr(_path_str(p) or "<root>") for p, _ in capable)
-      why = (f"the only matmul modules the FP8 rules decide ({paths}) are "
-             "the model's first and last, which FP8 keeps in bfloat16 "
-             "(keep_first_last); to convert them too, give them the rule "
-             "value jmp_amp.flax.fp8.FP8Policy(keep_first_last=False)")
-    fp8_lib.warn_nothing_converted(type(model).__name__, why, stacklevel=3)
-  return chosen
-
-
-def _owner(path: tuple, owners: set[tuple]) -> tuple:
-  """The longest prefix of a variable's path that is an owning module."""
-  for n in range(len(path) - 1, -1, -1):
-    if path[:n] in owners:
-      return path[:n]
-  return ()
-
-
-def _owning_paths(module: nnx.Module) -> set[tuple]:
-  return {p for p, m in nnx.iter_modules(module)
-          if not isinstance(m, _CONTAINERS) or not p}
-
-
-def _own_params(module: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
-  """(relative path, Param) of the Params `module` holds itself."""
-  owners = _owning_paths(module)
-  return [(path, var) for path, var in nnx.to_flat_state(
-      nnx.state(module, nnx.Param)) if _owner(path, owners) == ()]
 
 
 def _cast_params(model: nnx.Module, policies: dict[tuple, Any]) -> None:
   """Stores every Param in its owner's param dtype."""
-  owners = _owning_paths(model)
+  owners = owners_lib.owning_paths(model)
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    policy = policies.get(_owner(path, owners))
+    policy = policies.get(owners_lib.owner(path, owners))
     value = var.get_value()
     if (policy is not None and _common.is_float_array(value)
         and value.dtype != policy.param_dtype):
@@ -437,7 +358,7 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
   (they would promote the computation to the param dtype), and a module that
   a rule names directly for an output dtype it has no means to produce.
   """
-  fp8_policy = policy if isinstance(policy, fp8_lib.FP8Policy) else None
+  fp8_policy = policy if isinstance(policy, fp8_policy_lib.FP8Policy) else None
   if fp8_policy is not None:
     policy = fp8_policy.policy
   attrs = vars(module)
@@ -463,10 +384,10 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
   setattr(module, _ATTR, _Applied(fp8_policy if fp8 else policy, cast_output,
                                   tuple(originals.items()), fp8))
   if (has_dtype or _has_boundary(type(module))
-      or isinstance(module, _CONTAINERS)):
+      or isinstance(module, owners_lib.CONTAINERS)):
     return None
   if any(_common.is_float_array(var.get_value())
-         for _, var in _own_params(module)):
+         for _, var in owners_lib.own_params(module)):
     if policy.compute_dtype != policy.param_dtype:
       return ("computes with Params of its own but has no dtype knob: they "
               f"stay {np.dtype(policy.param_dtype).name}, not "
@@ -506,7 +427,7 @@ def _with_params_in(module: M, dtype: np.dtype) -> M:
   statistics and RNG counters update the original), whose own Params are new
   Variables holding the cast values (gradients flow through the cast).
   """
-  own = {path for path, var in _own_params(module)
+  own = {path for path, var in owners_lib.own_params(module)
          if _common.is_float_array(var.get_value())
          and var.get_value().dtype != dtype}
   if not own:

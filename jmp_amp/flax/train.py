@@ -54,27 +54,22 @@ adjustment), ``grads_finite``, ``skipped_steps``, ``steps`` and, with
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence, Union
-import warnings
+from typing import Any, Callable, Optional, Sequence
 
 from flax import nnx
 from flax.training import train_state
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jmp_amp
-from jmp_amp import Policy
-from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaled_loss_fn
-from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
+from jmp_amp.flax import _fp8_op
 from jmp_amp.flax import _step_checks
+from jmp_amp.flax import _step_parts
 from jmp_amp.flax import numerics as numerics_lib
-
-AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
-
+from jmp_amp.flax._step_parts import AutocastSpec
 
 class TrainState(train_state.TrainState):
   """`flax.training.train_state.TrainState` with a ``batch_stats`` field.
@@ -93,73 +88,6 @@ class TrainState(train_state.TrainState):
     ['mean', 'var']
   """
   batch_stats: Any = None
-
-
-def _autocast_hook(autocast: AutocastSpec) -> Optional[Callable]:
-  """The function transformation the `autocast=` argument stands for."""
-  if autocast is None:
-    return None
-  if isinstance(autocast, fp8_lib.FP8Recipe) or fp8_lib.is_fp8_name(autocast):
-    return lambda fn: jmp_amp.autocast(fn, autocast)  # float32 outputs
-  if isinstance(autocast, (str, Policy)):
-    # The wrapped function returns the loss and model state, not
-    # activations: keep those in float32 whatever the policy's output dtype.
-    policy = jmp_amp.get_policy(autocast).with_output_dtype(np.float32)
-    return lambda fn: jmp_amp.autocast(fn, policy)
-  if callable(autocast) and not isinstance(autocast, type):
-    return autocast
-  try:
-    np.dtype(autocast)
-  except TypeError:
-    raise TypeError(
-        "autocast must be None, a policy (string or jmp_amp.Policy), a "
-        "floating dtype or a callable fn -> fn, e.g. "
-        f"functools.partial(jmp_amp.autocast, policy_or_dtype=...); got "
-        f"{autocast!r}") from None
-  return lambda fn: jmp_amp.autocast(fn, autocast)
-
-
-def _split_loss(out: Any, has_aux: bool):
-  if has_aux:
-    if not (isinstance(out, tuple) and len(out) == 2):
-      raise TypeError("loss_fn with has_aux=True must return (loss, aux), got "
-                      f"{type(out).__name__}")
-    loss, aux = out
-  else:
-    loss, aux = out, None
-  loss = jnp.asarray(loss)
-  if loss.shape != ():
-    raise TypeError(f"loss_fn must return a scalar loss, got shape {loss.shape}"
-                    + ("; pass has_aux=True to return (loss, aux)"
-                       if isinstance(out, tuple) else ""))
-  return loss.astype(jnp.float32), aux
-
-
-def _like(new: Any, old: Any) -> Any:
-  """`new` in the tree type and dtypes of `old`.
-
-  `apply` may return dicts where the state held FrozenDicts, and autocast may
-  have retyped floating leaves.
-  """
-  new_leaves = jax.tree_util.tree_leaves(new)
-  old_leaves, treedef = jax.tree_util.tree_flatten(old)
-  if len(new_leaves) != len(old_leaves):
-    raise ValueError("the model changed the structure of its mutable state: "
-                     f"{jax.tree_util.tree_structure(new)} vs {treedef}")
-
-  def cast(n, o):
-    if hasattr(o, "dtype") and jnp.issubdtype(o.dtype, jnp.floating):
-      return jnp.asarray(n).astype(o.dtype)
-    return n
-  return jax.tree_util.tree_unflatten(
-      treedef, [cast(n, o) for n, o in zip(new_leaves, old_leaves)])
-
-
-def _metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
-  metrics = {"loss": loss, **scaling_metrics(opt_state)}
-  if has_aux:
-    metrics["aux"] = aux
-  return metrics
 
 
 # --------------------------------------------------------------------------
@@ -257,7 +185,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
   if on_nonfinite is not None and not callable(on_nonfinite):
     raise TypeError(f"on_nonfinite must be None or a callable, got "
                     f"{on_nonfinite!r}")
-  hook = _autocast_hook(autocast)
+  hook = _step_parts.autocast_hook(autocast)
   if numerics is not None:
     numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
 
@@ -265,7 +193,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     _step_checks.check_optimizer(optimizer)
     # The FP8 amax histories are differentiated too: their "gradients" are
     # their new values, which value_and_grad writes into the model.
-    diff = nnx.Any(wrt, _fp8.FP8Meta)
+    diff = nnx.Any(wrt, _fp8_op.FP8Meta)
     graphdef, _, rest = nnx.split(model, diff, ...)
     opt_state = _step_checks.optax_state(optimizer)
 
@@ -273,10 +201,10 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       # copy: fresh Variables of this trace, which the forward pass may update.
       m = nnx.merge(graphdef, params, rest, copy=True)
       if numerics is None:
-        loss, aux = _split_loss(loss_fn(m, batch), has_aux)
+        loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
         return loss, aux, nnx.split(m, diff, ...)[2]
       with numerics_lib.watch(m, numerics) as seen:
-        loss, aux = _split_loss(loss_fn(m, batch), has_aux)
+        loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
       return loss, (aux, seen.outputs), nnx.split(m, diff, ...)[2]
 
     fn = hook(forward) if hook is not None else forward
@@ -293,15 +221,16 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
         wrt=wrt)(model)
     if numerics is not None:
       aux, outputs = aux
-      grad_stats = _grad_stats(model, grads, numerics)
+      grad_stats = _step_parts.grad_stats(model, grads, numerics)
     optimizer.update(model, grads)
-    metrics = _metrics(_step_checks.optax_state(optimizer), loss, aux, has_aux)
+    metrics = _step_parts.step_metrics(_step_checks.optax_state(optimizer),
+                                       loss, aux, has_aux)
     if numerics is not None:
-      metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
+      metrics["numerics"] = _step_parts.numerics_metrics(outputs, grad_stats)
       metrics["numerics"].update(numerics_lib.fp8_stats(
           model, numerics, metrics["numerics"]))
 
-    new_rest = _like(new_rest, rest)
+    new_rest = _step_parts.like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
     reverted_old = nnx.filter_state(rest, revert_on_skip)
     nnx.update(model, kept, where_tree(
@@ -315,25 +244,6 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
   return _step_checks.with_localiser(run, loss_fn, on_nonfinite,
                          replay_note="" if autocast is None else
                          "which does not apply autocast=")
-
-
-def _grad_stats(model: Any, grads: Any, numerics: Any) -> dict:
-  # `watch` has already warned about a select that matches no module.
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select",
-                            UserWarning)
-    return numerics_lib.grad_stats(model, grads, numerics)
-
-
-def _numerics_metrics(outputs: dict, grads: dict) -> dict:
-  merged = {}  # (jit returns it with its keys sorted.)
-  for path in list(outputs) + [p for p in grads if p not in outputs]:
-    merged[path] = {}
-    if path in outputs:
-      merged[path]["out"] = outputs[path]
-    if path in grads:
-      merged[path]["grad"] = grads[path]
-  return merged
 
 
 def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
@@ -439,7 +349,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
   if isinstance(mutable, str):
     mutable = (mutable,)
-  hook = _autocast_hook(autocast)
+  hook = _step_parts.autocast_hook(autocast)
 
   def step(state: train_state.TrainState, batch: Any):
     cols = {name: getattr(state, name) for name in mutable
@@ -457,10 +367,10 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
         return out
 
       if numerics is None:
-        loss, aux = _split_loss(loss_fn(model, batch), has_aux)
+        loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
         return loss, aux, box
       with numerics_lib.watch(None, numerics) as seen:
-        loss, aux = _split_loss(loss_fn(model, batch), has_aux)
+        loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
       return loss, (aux, seen.outputs), box
 
     fn = hook(forward) if hook is not None else forward
@@ -474,12 +384,12 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
         loss_of, has_aux=True)(state.opt_state, state.params)
     if numerics is not None:
       aux, outputs = aux
-      grad_stats = _grad_stats(None, grads, numerics)
+      grad_stats = _step_parts.grad_stats(None, grads, numerics)
     state = state.apply_gradients(grads=grads)
-    metrics = _metrics(state.opt_state, loss, aux, has_aux)
+    metrics = _step_parts.step_metrics(state.opt_state, loss, aux, has_aux)
     if numerics is not None:
-      metrics["numerics"] = _numerics_metrics(outputs, grad_stats)
-    new_cols = _like(dict(new_cols), cols)
+      metrics["numerics"] = _step_parts.numerics_metrics(outputs, grad_stats)
+    new_cols = _step_parts.like(dict(new_cols), cols)
     if revert_on_skip:
       new_cols = where_tree(metrics["grads_finite"], new_cols, cols)
     return state.replace(**new_cols), metrics

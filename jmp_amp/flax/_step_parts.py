@@ -1,0 +1,108 @@
+"""The parts the NNX and linen train steps share.
+
+What ``autocast=`` stands for, the loss that ``loss_fn`` returns, the mutable
+state put back in its old types, and the metrics with their numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_amp
+from jmp_amp import Policy
+from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src.scaling_state import scaling_metrics
+from jmp_amp.flax import numerics as numerics_lib
+
+AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
+
+
+def autocast_hook(autocast: AutocastSpec) -> Optional[Callable]:
+  """The function transformation the `autocast=` argument stands for."""
+  if autocast is None:
+    return None
+  if isinstance(autocast, fp8_lib.FP8Recipe) or fp8_lib.is_fp8_name(autocast):
+    return lambda fn: jmp_amp.autocast(fn, autocast)  # float32 outputs
+  if isinstance(autocast, (str, Policy)):
+    # The wrapped function returns the loss and model state, not
+    # activations: keep those in float32 whatever the policy's output dtype.
+    policy = jmp_amp.get_policy(autocast).with_output_dtype(np.float32)
+    return lambda fn: jmp_amp.autocast(fn, policy)
+  if callable(autocast) and not isinstance(autocast, type):
+    return autocast
+  try:
+    np.dtype(autocast)
+  except TypeError:
+    raise TypeError(
+        "autocast must be None, a policy (string or jmp_amp.Policy), a "
+        "floating dtype or a callable fn -> fn, e.g. "
+        f"functools.partial(jmp_amp.autocast, policy_or_dtype=...); got "
+        f"{autocast!r}") from None
+  return lambda fn: jmp_amp.autocast(fn, autocast)
+
+
+def split_loss(out: Any, has_aux: bool):
+  if has_aux:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError("loss_fn with has_aux=True must return (loss, aux), got "
+                      f"{type(out).__name__}")
+    loss, aux = out
+  else:
+    loss, aux = out, None
+  loss = jnp.asarray(loss)
+  if loss.shape != ():
+    raise TypeError(f"loss_fn must return a scalar loss, got shape {loss.shape}"
+                    + ("; pass has_aux=True to return (loss, aux)"
+                       if isinstance(out, tuple) else ""))
+  return loss.astype(jnp.float32), aux
+
+
+def like(new: Any, old: Any) -> Any:
+  """`new` in the tree type and dtypes of `old`.
+
+  `apply` may return dicts where the state held FrozenDicts, and autocast may
+  have retyped floating leaves.
+  """
+  new_leaves = jax.tree_util.tree_leaves(new)
+  old_leaves, treedef = jax.tree_util.tree_flatten(old)
+  if len(new_leaves) != len(old_leaves):
+    raise ValueError("the model changed the structure of its mutable state: "
+                     f"{jax.tree_util.tree_structure(new)} vs {treedef}")
+
+  def cast(n, o):
+    if hasattr(o, "dtype") and jnp.issubdtype(o.dtype, jnp.floating):
+      return jnp.asarray(n).astype(o.dtype)
+    return n
+  return jax.tree_util.tree_unflatten(
+      treedef, [cast(n, o) for n, o in zip(new_leaves, old_leaves)])
+
+
+def step_metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
+  metrics = {"loss": loss, **scaling_metrics(opt_state)}
+  if has_aux:
+    metrics["aux"] = aux
+  return metrics
+
+
+def grad_stats(model: Any, grads: Any, numerics: Any) -> dict:
+  # `watch` has already warned about a select that matches no module.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select",
+                            UserWarning)
+    return numerics_lib.grad_stats(model, grads, numerics)
+
+
+def numerics_metrics(outputs: dict, grads: dict) -> dict:
+  merged = {}  # (jit returns it with its keys sorted.)
+  for path in list(outputs) + [p for p in grads if p not in outputs]:
+    merged[path] = {}
+    if path in outputs:
+      merged[path]["out"] = outputs[path]
+    if path in grads:
+      merged[path]["grad"] = grads[path]
+  return merged
