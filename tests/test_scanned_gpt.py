@@ -281,8 +281,9 @@ def test_watch_selects_blocks_of_the_stack_by_their_unscanned_paths():
 @pytest.mark.slow  # a train-step compile: ~20-60 s
 @pytest.mark.parametrize("policy", [
     "mixed_bfloat16",
-    jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.delayed_scaling(4),
-                               keep_first_last=False)],
+    jmp_amp.flax.fp8.FP8Policy(
+        jmp_amp.fp8.FP8Recipe(scaling="delayed", history_len=4),
+        keep_first_last=False)],
     ids=["bf16", "fp8-delayed"])
 def test_checkpoint_round_trip_of_a_scanned_model(tmp_path, policy):
   checkpoint = pytest.importorskip("jmp_amp.checkpoint")
