@@ -83,7 +83,7 @@ def test_fp16_mlp_follows_the_float32_loss(how, float32_losses):
   assert losses[-1] < 0.6 * losses[0], losses  # it trains
   # float16 ran: the losses are not float32's bit for bit.
   assert not np.array_equal(losses, float32_losses)
-  assert jmp_amp.scaling_metrics(opt_state)["skipped_steps"] == 0
+  assert jmp_amp.get_scaling_state(opt_state).skipped_steps == 0
 
 
 @pytest.mark.parametrize("how", sorted(LOSSES))
@@ -115,16 +115,16 @@ def test_an_overflow_step_is_skipped_exactly(how):
                           eqx.filter(model, eqx.is_array))
   before, after = (jmp_amp.get_scaling_state(s) for s in (opt_state, new_state))
   assert tree_bytes_equal(after.inner_state, before.inner_state)
-  metrics = jmp_amp.scaling_metrics(new_state)
-  assert metrics["skipped_steps"] == 1 and not metrics["grads_finite"]
-  assert metrics["loss_scale"] == 2.0**29
+  assert after.skipped_steps == 1 and not after.grads_finite
+  assert after.loss_scale.loss_scale == 2.0**29
 
   # Backed off far enough, a step applies: then the params do change.
-  while not jmp_amp.scaling_metrics(new_state)["grads_finite"]:
+  while not jmp_amp.get_scaling_state(new_state).grads_finite:
     new_model, new_state, _ = step(new_model, new_state, x, y)
-  skipped = int(jmp_amp.scaling_metrics(new_state)["skipped_steps"])
+  state = jmp_amp.get_scaling_state(new_state)
+  skipped = int(state.skipped_steps)
   assert 1 < skipped < 30
-  assert jmp_amp.scaling_metrics(new_state)["loss_scale"] == 2.0**(30 - skipped)
+  assert state.loss_scale.loss_scale == 2.0**(30 - skipped)
   assert not tree_bytes_equal(eqx.filter(new_model, eqx.is_array),
                               eqx.filter(model, eqx.is_array))
 

@@ -2,7 +2,7 @@
 an H100, on a machine without a GPU.
 
 Each precision mode's train step is built as `jmp-amp bench` builds it, then
-compiled for the target with `jmp_amp.tools.gpu_report`; the table lists per
+compiled for the target with `jmp_amp.gpu_report`; the table lists per
 mode the GEMMs by dtype, the kernels, the GPU memory XLA assigns and an
 estimate of the bytes the kernels move, with ratios to float32, and fits the
 terminal like the timing table. Compiler figures, not timings: nothing runs.
