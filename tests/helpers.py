@@ -53,3 +53,15 @@ def fp8_gemm_kinds(counts) -> dict:
             ("float8_e4m3fn", "float8_e5m2"): "backward"}.get(operands, sig)
     out[kind] = out.get(kind, 0) + n
   return out
+
+
+def h100_target_or_skip():
+  """Skips the calling test unless the compile-only H100 target is here."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
+  if not gpu_target.has_cuda_plugin():
+    pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")
+  try:
+    gpu_target.target_device("h100")
+  except RuntimeError as e:
+    pytest.skip(f"CUDA plugin gave no compile-only target: {e}")

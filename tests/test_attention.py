@@ -18,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
+
 import jmp_amp
 import jmp_amp.flax
 from jmp_amp.models import data as data_lib
@@ -196,12 +198,7 @@ def test_audit_reads_cudnn_attention_as_fused_calls_not_gemms():
 
 
 def _h100_or_skip():
-  if not gpu_target.has_cuda_plugin():
-    pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")
-  try:
-    gpu_target.target_device("h100")
-  except RuntimeError as e:
-    pytest.skip(f"CUDA plugin gave no compile-only target: {e}")
+  helpers.h100_target_or_skip()
   bf16 = jax.ShapeDtypeStruct((2, 32, 4, 64), jnp.bfloat16)
   try:
     jax.eval_shape(functools.partial(dpa, implementation="cudnn"),

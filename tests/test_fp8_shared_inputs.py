@@ -24,7 +24,6 @@ import jmp_amp
 import jmp_amp.flax
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp.flax import fp8 as flax_fp8
-from jmp_amp.tools import gpu_target
 
 D = 64
 FP8_LAYERS = ["attn/query", "attn/key", "attn/value", "attn/out", "gate",
@@ -82,15 +81,6 @@ def _train_step(model):
   return step, state
 
 
-def _target_or_skip():
-  if not gpu_target.has_cuda_plugin():
-    pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")
-  try:
-    gpu_target.target_device("h100")
-  except RuntimeError as e:
-    pytest.skip(f"CUDA plugin gave no compile-only target: {e}")
-
-
 # --------------------------------------------------------------------------
 # CPU: the layers are named, the numerics are FP8's.
 
@@ -146,7 +136,7 @@ def test_tie_leaves_the_numerics_unchanged(scaling):
 
 @pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise"])
 def test_every_fp8_layer_compiles_to_fp8_gemms(scaling):
-  _target_or_skip()
+  helpers.h100_target_or_skip()
   step, state = _train_step(_model(RECIPES[scaling]))
   report = jmp_amp.gpu_report(step, state, _x())
   assert report.fp8_fallbacks() == {}
@@ -163,7 +153,7 @@ def test_every_fp8_layer_compiles_to_fp8_gemms(scaling):
 
 
 def test_autocast_fp8_matmuls_sharing_an_input_stay_fp8():
-  _target_or_skip()
+  helpers.h100_target_or_skip()
 
   def loss(ws, x):
     q, k, v = (x @ w for w in ws)
@@ -180,7 +170,7 @@ def test_autocast_fp8_matmuls_sharing_an_input_stay_fp8():
 
 def test_linen_under_autocast_fp8_keeps_shared_input_gemms_fp8():
   # Linen rules have no FP8 modules; linen models get FP8 from autocast.
-  _target_or_skip()
+  helpers.h100_target_or_skip()
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   class GLU(nn.Module):
@@ -210,7 +200,7 @@ def _untied_layers(x, ws):
 
 
 def test_audit_flags_fp8_gemms_merged_into_a_bf16_gemm():
-  _target_or_skip()
+  helpers.h100_target_or_skip()
   w = jax.ShapeDtypeStruct((D, D), jnp.float32)
   x = jax.ShapeDtypeStruct((32, D), jnp.float32)
   report = jmp_amp.gpu_report(_untied_layers, x, {"q": w, "k": w, "v": w})
@@ -226,7 +216,7 @@ def test_audit_flags_fp8_gemms_merged_into_a_bf16_gemm():
 
 
 def test_audit_flags_a_layer_left_in_bf16():
-  _target_or_skip()
+  helpers.h100_target_or_skip()
 
   def f(x, w, v):
     with jax.named_scope("fp8[proj]"):

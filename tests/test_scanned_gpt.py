@@ -19,7 +19,6 @@ import jmp_amp
 import jmp_amp.flax
 import jmp_amp.flax.numerics
 from jmp_amp.models import gpt
-from jmp_amp.tools import gpu_target
 
 LAYERS = 3
 CONFIG = dict(vocab_size=64, d_model=32, num_heads=2, num_layers=LAYERS,
@@ -337,12 +336,7 @@ def _h100_fp8_report(model):
 
 @pytest.mark.slow  # two compiles for an H100: ~20-30 s each
 def test_fp8_gemms_per_block_match_the_unscanned_model_on_h100():
-  if not gpu_target.has_cuda_plugin():
-    pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")
-  try:
-    gpu_target.target_device("h100")
-  except RuntimeError as e:
-    pytest.skip(f"CUDA plugin gave no compile-only target: {e}")
+  helpers.h100_target_or_skip()
   plain, scanned = (_h100_fp8_report(model) for model in models())
   assert plain.fp8_fallbacks() == {} and scanned.fp8_fallbacks() == {}
   fp8 = lambda counts: {kind: n for kind, n in helpers.fp8_gemm_kinds(
