@@ -197,8 +197,8 @@ def _seed_key(seed: Any, stream: int, who: str) -> jax.Array:
   return jax.random.key_data(jax.random.fold_in(jax.random.key(seed), stream))
 
 
-def _next_keys(key_data: jax.Array, n: int):
-  """The state's next key and the seeds of each leaf's bits for this step.
+def _next_seeds(key_data: jax.Array):
+  """The state's next key and the seeds of every leaf's bits for this step.
 
   One threefry split per update; every leaf gets the step key's two words,
   and its bits differ from other leaves' through its values, which the bits
@@ -209,8 +209,7 @@ def _next_keys(key_data: jax.Array, n: int):
   """
   following, now = jax.random.split(jax.random.wrap_key_data(key_data))
   w0, w1 = jax.random.key_data(now).astype(jnp.uint32).reshape(-1)[:2]
-  seeds = [(w0, w1)] * n
-  return jax.random.key_data(following), seeds
+  return jax.random.key_data(following), (w0, w1)
 
 
 class CompressedState(NamedTuple):
@@ -283,17 +282,15 @@ def compress_state(inner: optax.GradientTransformation, *,
   key0 = _seed_key(seed, _STATE_STREAM, who)
   inner_update = optax.with_extra_args_support(inner).update
 
-  def compress(tree, keys):
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([
-        _round_like(x, jnp.bfloat16, k, rounding) if _compressible(x) else x
-        for x, k in zip(leaves, keys)])
+  def compress(tree, seeds):
+    return jax.tree.map(
+        lambda x: _round_like(x, jnp.bfloat16, seeds, rounding)
+        if _compressible(x) else x, tree)
 
   def init_fn(params):
     state = inner.init(_to_f32(params))
-    n = len(jax.tree.leaves(state))
     return CompressedState(key=key0, inner_state=compress(
-        state, [None] * n if rounding == "nearest" else _next_keys(key0, n)[1]))
+        state, None if rounding == "nearest" else _next_seeds(key0)[1]))
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, CompressedState):
@@ -307,8 +304,8 @@ def compress_state(inner: optax.GradientTransformation, *,
         if x.dtype == jnp.bfloat16 and x.ndim > 0 else x, stored)
     updates, new = inner_update(_to_f32(updates), full, _to_f32(params),
                                 **extra_args)
-    key, keys = _next_keys(state.key, len(jax.tree.leaves(new)))
-    return updates, CompressedState(key=key, inner_state=compress(new, keys))
+    key, seeds = _next_seeds(state.key)
+    return updates, CompressedState(key=key, inner_state=compress(new, seeds))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -413,13 +410,13 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
     check_params(params)
     p_leaves, treedef = jax.tree.flatten(params)
     u_leaves = treedef.flatten_up_to(updates)
-    key, keys = state.key, [None] * len(p_leaves)
+    key, seeds = state.key, None
     if rounding == "stochastic":
-      key, keys = _next_keys(state.key, len(p_leaves))
+      key, seeds = _next_seeds(state.key)
     comp = (treedef.flatten_up_to(state.compensation) if rounding == "kahan"
             else [None] * len(p_leaves))
     out, new_comp = [], []
-    for p, u, k, c in zip(p_leaves, u_leaves, keys, comp):
+    for p, u, c in zip(p_leaves, u_leaves, comp):
       if not narrow(p):
         out.append(u)
         new_comp.append(c)
@@ -428,7 +425,7 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
       exact = p32 + u.astype(jnp.float32)
       if c is not None:
         exact = exact + c.astype(jnp.float32)
-      new = _round_like(exact, p.dtype, k, rounding)
+      new = _round_like(exact, p.dtype, seeds, rounding)
       if c is not None:
         new_comp.append((exact - new.astype(jnp.float32)).astype(c.dtype))
       out.append(new.astype(jnp.float32) - p32)
