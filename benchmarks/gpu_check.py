@@ -66,6 +66,10 @@ MODES = {
     "mixed_bfloat16-state16": dict(compute="bfloat16", state16=True),
     "mixed_bfloat16-telemetry": dict(compute="bfloat16", numerics="**"),
 }
+# Modes whose compile may take minutes on a GPU (issue #33: rowwise FP8 had
+# not compiled after 75 s on an H200): each runs in a process of its own,
+# after the others, so a hang loses that mode alone.
+SLOW_COMPILE = {("gpt", "float8-rowwise")}
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # gpt_bench.py: the GPT's FLOPs, peaks, torch rows
 
@@ -163,8 +167,32 @@ def _memory(compiled):
              + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
 
 
-def run_workload(model_name, names, sizes, steps, repeats, out_path):
-  """Compiles and times every mode of one workload; appends JSON lines."""
+def _warm_up():
+  """Compiles and runs one small GEMM first, so that the device's start-up
+  (its runtime, cuBLAS, the autotuner) is not counted in any mode's compile
+  seconds."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((256, 256), jnp.bfloat16)
+  jax.block_until_ready(jax.jit(lambda a: a @ a)(x))
+
+
+def _dump(dump_dir, model_name, name, compiled):
+  """The device's compiled program, gzipped: what the audit read."""
+  import gzip
+  os.makedirs(dump_dir, exist_ok=True)
+  with gzip.open(os.path.join(dump_dir, f"{model_name}_{name}.hlo.txt.gz"),
+                 "wt") as f:
+    f.write(compiled.as_text())
+
+
+def run_workload(model_name, names, sizes, steps, repeats, out_path,
+                 dump_dir=None):
+  """Compiles and times every mode of one workload; appends JSON lines.
+
+  Each mode is timed once as soon as it is compiled (so a later compile that
+  hangs loses no earlier mode), then all of them in interleaved repeats.
+  """
   import jax
   from jmp_amp.tools import audit
   from jmp_amp.tools.bench import timing
@@ -173,6 +201,27 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path):
     with open(out_path, "a") as f:
       f.write(json.dumps(record, default=str) + "\n")
 
+  def run(p):
+    t0 = time.perf_counter()
+    for i in range(steps):
+      p["state"], loss = p["compiled"](p["state"], p["batches"][i % 2])
+    p["loss"] = float(jax.block_until_ready(loss))
+    p["times"].append((time.perf_counter() - t0) / steps)
+
+  def emit_timed(name, p, peak):
+    median = statistics.median(p["times"])
+    emit(dict(workload=model_name, mode=name, event="timed",
+              ms_per_step=median * 1e3,
+              spread=(max(p["times"]) - min(p["times"])) / 2 / median,
+              repeat_ms=[t * 1e3 for t in p["times"]], final_loss=p["loss"],
+              model_tflops=p["flops"] / median / 1e12,
+              bf16_peak_share=(p["flops"] / median / peak if peak else None)))
+
+  _warm_up()
+  peak = None
+  if model_name == "gpt":
+    import gpt_bench
+    peak = gpt_bench.peak_bf16_flops(jax.devices()[0].device_kind)
   prepared = {}
   for name in names:
     mode = MODES[name]
@@ -188,39 +237,42 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path):
           "autocast-float8" if mode.get("autocast") else
           ("float8" if mode.get("fp8") else "mixed_bfloat16"), device_report,
           audit.matmul_report(lowered))
-      prepared[name] = dict(compiled=compiled, state=state, batches=batches,
-                            times=[], flops=flops)
+      if dump_dir:
+        _dump(dump_dir, model_name, name, compiled)
       emit(dict(workload=model_name, mode=name, event="compiled",
                 compile_s=compile_s, memory_bytes=_memory(compiled),
                 gemms=device_report.counts_by_signature(),
                 gemm_stage="compiled", fp8_problem=problem))
+      p = prepared[name] = dict(compiled=compiled, state=state,
+                                batches=batches, times=[], flops=flops)
+      p["state"], loss = compiled(p["state"], batches[0])  # warm-up, untimed
+      jax.block_until_ready(loss)
+      run(p)
+      emit_timed(name, p, peak)
     except Exception as e:  # pylint: disable=broad-except
+      prepared.pop(name, None)
       emit(dict(workload=model_name, mode=name, event="failed",
                 error=f"{type(e).__name__}: {e}"[:2000]))
-  for name, p in prepared.items():  # warm-up: the first runs, untimed
-    p["state"], loss = p["compiled"](p["state"], p["batches"][0])
-    jax.block_until_ready(loss)
-  for _ in range(repeats):  # interleaved: drift spreads over every mode
-    for name, p in prepared.items():
-      t0 = time.perf_counter()
-      for i in range(steps):
-        p["state"], loss = p["compiled"](p["state"], p["batches"][i % 2])
-      p["loss"] = float(jax.block_until_ready(loss))
-      p["times"].append((time.perf_counter() - t0) / steps)
-  stats = jax.devices()[0].memory_stats() or {}
-  peak = None
-  if model_name == "gpt":
-    import gpt_bench
-    peak = gpt_bench.peak_bf16_flops(jax.devices()[0].device_kind)
+  for _ in range(repeats - 1):  # interleaved: drift spreads over every mode
+    for p in prepared.values():
+      run(p)
   for name, p in prepared.items():
-    median = statistics.median(p["times"])
-    emit(dict(workload=model_name, mode=name, event="timed",
-              ms_per_step=median * 1e3,
-              spread=(max(p["times"]) - min(p["times"])) / 2 / median,
-              repeat_ms=[t * 1e3 for t in p["times"]], final_loss=p["loss"],
-              model_tflops=p["flops"] / median / 1e12,
-              bf16_peak_share=(p["flops"] / median / peak if peak else None),
-              process_peak_bytes=stats.get("peak_bytes_in_use")))
+    emit_timed(name, p, peak)
+  stats = jax.devices()[0].memory_stats() or {}
+  emit(dict(workload=model_name, event="memory",
+            process_peak_bytes=stats.get("peak_bytes_in_use")))
+
+
+def run_torch(workloads, sizes, steps, repeats, small, out_path):
+  """The torch rows, in a process of their own (inductor can take minutes)."""
+  rows = []
+  if "mlp" in workloads:
+    rows += _torch_mlp_rows(sizes["mlp"], steps, repeats)
+  if "gpt" in workloads and not small:
+    rows += _torch_gpt_rows(small, steps)
+  with open(out_path, "a") as f:
+    for r in rows:
+      f.write(json.dumps(dict(r, event="torch"), default=str) + "\n")
 
 
 # --------------------------------------------------------------------------
@@ -314,6 +366,59 @@ def device_name():
                                             d.platform).lower()).strip("-")
 
 
+def groups(workloads, names=None):
+  """(workload, modes) per worker process, in the order they run: the modes
+  the issues measure first, a mode whose compile may take minutes
+  (``SLOW_COMPILE``) in a process of its own after them."""
+  out = []
+  for model_name in workloads:
+    modes = modes_for(model_name, names)
+    fast = [m for m in modes if (model_name, m) not in SLOW_COMPILE]
+    if fast:
+      out.append((model_name, fast))
+  for model_name in workloads:
+    out += [(model_name, [m]) for m in modes_for(model_name, names)
+            if (model_name, m) in SLOW_COMPILE]
+  return out
+
+
+def versions():
+  """The versions and compiler options the figures were measured with."""
+  import importlib.metadata as md
+  out = {}
+  for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin",
+               "flax", "optax", "chex", "torch"):
+    try:
+      out[name] = md.version(name)
+    except md.PackageNotFoundError:
+      pass
+  out["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
+  return out
+
+
+def _rows(records, workloads, names):
+  rows, memory = {}, {}
+  for r in records:
+    if r["event"] == "memory":
+      memory[r["workload"]] = max(
+          (b for b in (memory.get(r["workload"]), r.get("process_peak_bytes"))
+           if b is not None), default=None)
+    elif r["event"] == "torch":
+      rows[(r["workload"], r["mode"])] = {
+          k: v for k, v in r.items() if k != "event"}
+    elif "mode" in r:
+      rows.setdefault((r["workload"], r["mode"]), {}).update(
+          {k: v for k, v in r.items() if k != "event"})
+  for r in records:  # a process that timed out: its modes never timed
+    if r["event"] == "timeout":
+      for name in r["modes"]:
+        row = rows.setdefault((r["workload"], name),
+                              dict(workload=r["workload"], mode=name))
+        if "ms_per_step" not in row:
+          row["error"] = r["error"]
+  return list(rows.values()), memory
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true",
@@ -324,7 +429,16 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--timeout", type=float, default=240,
-                      help="seconds each workload's process may take")
+                      help="seconds each worker process may take")
+  parser.add_argument("--slow-timeout", type=float, default=120,
+                      help="seconds a SLOW_COMPILE mode's process may take")
+  parser.add_argument("--budget", type=float, default=None,
+                      help="seconds the whole check may take: a process "
+                      "gets what is left, and none starts with under 30")
+  parser.add_argument("--no-torch", action="store_true",
+                      help="skip the torch rows")
+  parser.add_argument("--dump", metavar="DIR",
+                      help="write each compiled program (gzipped HLO) there")
   parser.add_argument("--out", help="the JSON file (default: "
                       "benchmarks/results/gpu_check_<device>.json)")
   parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
@@ -333,53 +447,60 @@ def main(argv=None):
   steps = args.steps or (2 if args.small else 10)
   if args.worker:
     model_name, names, out_path, reps = args.worker
-    run_workload(model_name, names.split(","), sizes[model_name], steps,
-                 int(reps), out_path)
+    if model_name == "torch":
+      run_torch(names.split(","), sizes, steps, int(reps), args.small,
+                out_path)
+    else:
+      run_workload(model_name, names.split(","), sizes[model_name], steps,
+                   int(reps), out_path, args.dump)
     return 0
   lines_path = (args.out or "gpu_check") + ".partial.jsonl"
   if os.path.exists(lines_path):
     os.remove(lines_path)
   started = time.perf_counter()
-  for model_name in args.workloads:
-    names = modes_for(model_name, args.modes)
+  plan = groups(args.workloads, args.modes)
+  if not args.no_torch:
+    plan.append(("torch", list(args.workloads)))
+
+  def note(record):
+    with open(lines_path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+
+  for model_name, names in plan:
+    timeout = (args.slow_timeout if len(names) == 1 and (
+        model_name, names[0]) in SLOW_COMPILE else args.timeout)
+    if args.budget is not None:
+      timeout = min(timeout, args.budget - (time.perf_counter() - started))
+    if timeout < 30:
+      if model_name != "torch":
+        note(dict(workload=model_name, event="timeout", modes=names,
+                  error="skipped: the --budget was spent"))
+      continue
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name,
            ",".join(names), lines_path, str(args.repeats),
-           "--steps", str(steps)] + (["--small"] if args.small else [])
-    print(f"gpu_check: {model_name}: {', '.join(names)}", flush=True)
+           "--steps", str(steps)] + (["--small"] if args.small else []) + (
+               ["--dump", args.dump] if args.dump else [])
+    print(f"gpu_check: {model_name}: {', '.join(names)} "
+          f"(at most {timeout:.0f} s)", flush=True)
     try:
-      subprocess.run(cmd, timeout=args.timeout, check=False)
+      subprocess.run(cmd, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-      with open(lines_path, "a") as f:
-        f.write(json.dumps(dict(workload=model_name, event="timeout",
-                                error=f"not done within {args.timeout} s"))
-                + "\n")
+      if model_name != "torch":
+        note(dict(workload=model_name, event="timeout", modes=names,
+                  error=f"not done within {timeout:.0f} s"))
   records = []
   if os.path.exists(lines_path):
     with open(lines_path) as f:
       records = [json.loads(line) for line in f]
     os.remove(lines_path)
-  rows = {}
-  for r in records:
-    if "mode" in r:
-      rows.setdefault((r["workload"], r["mode"]), {}).update(
-          {k: v for k, v in r.items() if k != "event"})
-  for r in records:  # a workload that timed out: its modes never timed
-    if r["event"] == "timeout":
-      for name in modes_for(r["workload"], args.modes):
-        row = rows.setdefault((r["workload"], name),
-                              dict(workload=r["workload"], mode=name))
-        if "ms_per_step" not in row:
-          row["error"] = r["error"]
-  rows = list(rows.values())
-  if "mlp" in args.workloads:
-    rows += _torch_mlp_rows(sizes["mlp"], steps, args.repeats)
-  if "gpt" in args.workloads and not args.small:
-    rows += _torch_gpt_rows(args.small, steps)
+  rows, memory = _rows(records, args.workloads, args.modes)
   import jax
   result = dict(device=device_name(), platform=jax.default_backend(),
-                jax=jax.__version__, small=args.small, steps=steps,
-                repeats=args.repeats, compiler_options="XLA defaults",
+                jax=jax.__version__, versions=versions(), small=args.small,
+                steps=steps, repeats=args.repeats,
+                compiler_options="XLA defaults",
                 sizes={k: sizes[k] for k in args.workloads},
+                process_peak_bytes=memory,
                 seconds=time.perf_counter() - started, rows=rows,
                 summary=summary(rows))
   out = args.out or os.path.join(HERE, "results",
