@@ -156,7 +156,17 @@ def build(model_name, mode, sizes, seed=0):
     metrics = inner(model, optimizer, batch)
     return nnx.state((model, optimizer)), metrics["loss"]
 
-  return jax.jit(step, donate_argnums=0), state, batches, flops
+  return (jax.jit(step, donate_argnums=0, compiler_options=jit_options(mode)),
+          state, batches, flops)
+
+
+def jit_options(mode):
+  """The step's jit options, as make_train_step's: Triton GEMMs off for FP8
+  GEMMs (``--compiler-option xla_gpu_enable_triton_gemm=true`` gives XLA's
+  defaults back)."""
+  from jmp_amp._src import fp8 as fp8_lib
+  return fp8_lib.compiler_options(
+      None, bool(mode.get("fp8") or mode.get("autocast")))
 
 
 def _memory(compiled):
@@ -187,7 +197,7 @@ def _dump(dump_dir, model_name, name, compiled):
 
 
 def run_workload(model_name, names, sizes, steps, repeats, out_path,
-                 dump_dir=None):
+                 dump_dir=None, options=None):
   """Compiles and times every mode of one workload; appends JSON lines.
 
   Each mode is timed once as soon as it is compiled (so a later compile that
@@ -229,7 +239,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
       t0 = time.perf_counter()
       step, state, batches, flops = build(model_name, mode, sizes)
       lowered = step.lower(state, batches[0])
-      compiled = lowered.compile()
+      compiled = lowered.compile(compiler_options=options or None)
       compile_s = time.perf_counter() - t0
       device_report = audit.matmul_report(compiled)
       on_cpu = jax.default_backend() == "cpu"
@@ -240,7 +250,9 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
       if dump_dir:
         _dump(dump_dir, model_name, name, compiled)
       emit(dict(workload=model_name, mode=name, event="compiled",
-                compile_s=compile_s, memory_bytes=_memory(compiled),
+                compile_s=compile_s,
+                compiler_options={**(jit_options(mode) or {}),
+                                  **(options or {})} or "XLA defaults", memory_bytes=_memory(compiled),
                 gemms=device_report.counts_by_signature(),
                 gemm_stage="compiled", fp8_problem=problem))
       p = prepared[name] = dict(compiled=compiled, state=state,
@@ -382,6 +394,19 @@ def groups(workloads, names=None):
   return out
 
 
+def compiler_options(pairs):
+  """``KEY=VALUE`` strings as `jax.stages.Lowered.compile`'s options."""
+  options = {}
+  for pair in pairs:
+    key, sep, value = pair.partition("=")
+    if not sep or not key:
+      raise SystemExit(f"--compiler-option takes KEY=VALUE, got {pair!r}")
+    lowered = value.lower()
+    options[key] = (lowered == "true" if lowered in ("true", "false") else
+                    int(value) if value.lstrip("-").isdigit() else value)
+  return options
+
+
 def versions():
   """The versions and compiler options the figures were measured with."""
   import importlib.metadata as md
@@ -439,12 +464,16 @@ def main(argv=None):
                       help="skip the torch rows")
   parser.add_argument("--dump", metavar="DIR",
                       help="write each compiled program (gzipped HLO) there")
+  parser.add_argument("--compiler-option", action="append", default=[],
+                      metavar="KEY=VALUE", help="an XLA option for every "
+                      "mode's compile (default: none, XLA's defaults)")
   parser.add_argument("--out", help="the JSON file (default: "
                       "benchmarks/results/gpu_check_<device>.json)")
   parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   sizes = SMALL if args.small else SIZES
   steps = args.steps or (2 if args.small else 10)
+  options = compiler_options(args.compiler_option)
   if args.worker:
     model_name, names, out_path, reps = args.worker
     if model_name == "torch":
@@ -452,7 +481,7 @@ def main(argv=None):
                 out_path)
     else:
       run_workload(model_name, names.split(","), sizes[model_name], steps,
-                   int(reps), out_path, args.dump)
+                   int(reps), out_path, args.dump, options)
     return 0
   lines_path = (args.out or "gpu_check") + ".partial.jsonl"
   if os.path.exists(lines_path):
@@ -479,7 +508,8 @@ def main(argv=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name,
            ",".join(names), lines_path, str(args.repeats),
            "--steps", str(steps)] + (["--small"] if args.small else []) + (
-               ["--dump", args.dump] if args.dump else [])
+               ["--dump", args.dump] if args.dump else []) + [
+                   f"--compiler-option={o}" for o in args.compiler_option]
     print(f"gpu_check: {model_name}: {', '.join(names)} "
           f"(at most {timeout:.0f} s)", flush=True)
     try:
@@ -498,7 +528,9 @@ def main(argv=None):
   result = dict(device=device_name(), platform=jax.default_backend(),
                 jax=jax.__version__, versions=versions(), small=args.small,
                 steps=steps, repeats=args.repeats,
-                compiler_options="XLA defaults",
+                compiler_options="as make_train_step's: XLA's defaults, "
+                "Triton GEMMs off for FP8 modes" + (
+                    f"; for every mode {options}" if options else ""),
                 sizes={k: sizes[k] for k in args.workloads},
                 process_peak_bytes=memory,
                 seconds=time.perf_counter() - started, rows=rows,

@@ -1,6 +1,9 @@
 """Tests for the matmul-dtype audit (`jmp_amp.matmul_report`)."""
 
+import gzip
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -11,6 +14,7 @@ import pytest
 
 import jmp_amp
 from jmp_amp import matmul_report
+from jmp_amp.tools import report as report_lib
 from jmp_amp.tools.report import MatmulRecord
 from jmp_amp.tools import MatmulReport
 
@@ -444,3 +448,26 @@ def test_hlo_text_without_instructions_gives_an_empty_report():
   assert len(MatmulReport.from_hlo("HloModule m\n")) == 0
   with pytest.raises(ValueError, match="no HLO text"):
     MatmulReport.from_hlo("")
+
+
+def test_fp8_gemms_of_a_real_h200_program():
+  # The all-FP8 MLP step (width 8192) as a real H200 compiled it under XLA's
+  # default options (benchmarks/gpu_check.py --dump, jax 0.11.2): the
+  # autotuner chose cuBLAS's FP8 GEMM for each of the 8 GEMMs, and the
+  # report finds them as the device check recorded them.
+  with gzip.open(os.path.join(
+      FIXTURES, "h200_device_mlp_float8-all.hlo.txt.gz"), "rt") as f:
+    report = MatmulReport.from_hlo(f.read())
+  recorded = json.loads((pathlib.Path(FIXTURES).parent.parent / "benchmarks"
+                         / "results" / "gpu_check_nvidia-h200.json"
+                         ).read_text())
+  row, = [r for r in recorded["rows"]
+          if (r["workload"], r["mode"]) == ("mlp", "float8-all")]
+  assert report.stage == "compiled" and len(report) == 8
+  assert {r.target for r in report} == {"__cublas$lt$matmul$f8"}
+  assert report.counts_by_signature() == row["gemms"]
+  assert all(report_lib.is_fp8_signature(s) for s in row["gemms"])
+  # Three FP8 layers, each with its forward and gradient GEMMs (the first
+  # layer's input gets no gradient): 3 + 3 + 2.
+  assert sorted(sum(ops.values()) for ops in report.fp8_layers().values()
+                ) == [2, 3, 3]

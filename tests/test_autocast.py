@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jmp_amp
+from jmp_amp._src.autocast import structural
 from helpers import tree_bytes_equal
 
 BF16 = np.dtype(jnp.bfloat16)
@@ -250,7 +251,8 @@ def test_scan_carry_dtype_is_consistent():
 
 def _scan_carry_dtypes(jaxpr):
   scan = [e for e in eqns(jaxpr) if e.primitive.name == "scan"][0]
-  return [v.aval.dtype for v in scan.outvars[:scan.params["num_carry"]]]
+  _, n_carry = structural._scan_counts(scan.params)
+  return [v.aval.dtype for v in scan.outvars[:n_carry]]
 
 
 def test_scan_carry_keeps_wider_initial_dtype():

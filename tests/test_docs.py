@@ -14,7 +14,7 @@ Figures. A figure quoted in the prose carries, right after it, the place it
 comes from: ``0.50x<!-- fig: h100_compiled.json workloads.mlp.rows[mode=float8]
 .temp_bytes_vs_float32 -->`` (a file in benchmarks/results/, JSON or JSON
 Lines, the latter read as a list of its records; a dotted path
-where ``[i]`` indexes a list and ``[key=value]`` picks the list item with that
+where ``[i]`` indexes a list and ``[key=value]`` (or ``[k=v,k2=v2]``) picks the list item with that
 field; optionally ``*k`` or ``/k`` to convert units). The test reads the value
 and fails unless, rounded to the decimals quoted, it is the number written
 before the marker. Ratios, percentages, sizes and times in the prose without a
@@ -245,9 +245,10 @@ def _step(value: Any, key: str) -> Any:
     value = value[name]
   if selector is None:
     return value
-  if "=" in selector:
-    field, want = selector.split("=", 1)
-    matches = [item for item in value if str(item.get(field)) == want]
+  if "=" in selector:  # [field=value] or [field=value,field=value]
+    wants = [c.split("=", 1) for c in re.split(r",(?=\w+=)", selector)]
+    matches = [item for item in value
+               if all(str(item.get(f)) == want for f, want in wants)]
     assert len(matches) == 1, f"{len(matches)} items with {selector}"
     return matches[0]
   return value[int(selector)]
@@ -429,6 +430,8 @@ def test_a_stale_figure_fails():
   assert [p.split(",")[0] for p in problems] == [
       "p:1: the page says 0.55", "p:1: the page says 8",
       "p:1: the page says 55"], problems
+  assert check_figures("3<!-- fig: r.json r[w=b,m=x].v -->", "p", lambda _: {
+      "r": [dict(w="a", m="x", v=2), dict(w="b", m="x", v=3)]}) == []
   assert check_figures('2<!-- fig: r.json "a.b".c[1] -->', "p",
                        lambda _: {"a.b": {"c": [1, 2]}}) == []
   assert "has no 'w.rows[mode=fp16].temp'" in check_figures(

@@ -988,6 +988,48 @@ def test_make_train_step_updates_fp8_histories_under_loss_scaling():
   assert not np.array_equal(kernel_before, np.asarray(model.layers[0].kernel[...]))
 
 
+def _jit_options_of_steps(model_rules, autocast=None, **step_kwargs):
+  """The compiler_options each jax.jit of make_train_step's step got: one
+  MLP without and one with `model_rules`, trained by one step function."""
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  step = jmp_amp.flax.make_train_step(
+      lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast,
+      **step_kwargs)
+  batch = (jnp.ones((4, 8)), jnp.zeros((4, 2)))
+  options = []
+  with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
+    for rules in (None, model_rules):
+      model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
+      if rules is not None:
+        jmp_amp.flax.set_policies(model, rules)
+      opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+          optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+      calls = spy.call_count
+      assert np.isfinite(float(step(model, opt, batch)["loss"]))
+      options.append([c.kwargs["compiler_options"]
+                      for c in spy.call_args_list[calls:]
+                      if "compiler_options" in c.kwargs])
+  return options
+
+
+def test_make_train_step_compiles_fp8_layers_with_triton_gemms_off():
+  # On a real H200 XLA's autotuner spent 50-120 s timing Triton kernels for
+  # FP8 GEMMs and then chose cuBLAS for all of them; FP8 steps skip that.
+  off = {"xla_gpu_enable_triton_gemm": False}
+  assert fp8.FP8_COMPILER_OPTIONS == off
+  plain, with_fp8 = _jit_options_of_steps("float8")
+  assert plain == [None] and with_fp8 == [off]
+  # The user's options are kept, and win where they say otherwise.
+  mine = {"xla_backend_optimization_level": 1}
+  assert _jit_options_of_steps("float8", compiler_options=mine) == [
+      [mine], [{**off, **mine}]]
+  tuned = {"xla_gpu_enable_triton_gemm": True}
+  assert _jit_options_of_steps("float8", compiler_options=tuned)[1] == [tuned]
+  # Op-level FP8 autocast too, for every model.
+  assert _jit_options_of_steps(None, autocast="float8") == [[off], []]
+
+
 # --------------------------------------------------------------------------
 # Op-level autocast to float8.
 

@@ -9,10 +9,13 @@ at the format's largest value: ``x ~= dequantize(quantize(x, s), s)`` with
 
 The GEMMs take the FP8 tensors themselves (`jmp_amp._src.fp8_ops`):
 ``lax.dot_general`` of FP8 operands with a float32 result that the scales
-multiply. XLA:GPU on Hopper keeps that an FP8 GEMM under its default options
-(a Triton GEMM over the FP8 operands) and with cuBLAS (``__cublas$lt$matmul$f8``):
-``f8e4m3fn x f8e4m3fn`` forward, ``f8e5m2 x f8e4m3fn`` and ``f8e4m3fn x
-f8e5m2`` backward, with float32 accumulation. On CPU the same program runs
+multiply. XLA:GPU on Hopper keeps that an FP8 GEMM, a Triton GEMM over the
+FP8 operands or cuBLAS's (``__cublas$lt$matmul$f8``): ``f8e4m3fn x f8e4m3fn``
+forward, ``f8e5m2 x f8e4m3fn`` and ``f8e4m3fn x f8e5m2`` backward, with
+float32 accumulation. On a real H200 under XLA's default options the
+autotuner chose cuBLAS for every FP8 GEMM of the benchmarks, after timing
+Triton configurations for a minute or two per step; jmp_amp's own jitted
+steps therefore compile FP8 programs with `FP8_COMPILER_OPTIONS`. On CPU the same program runs
 with the rounded values, so its numerics can be tested anywhere.
 Convolutions keep the quantize -> dequantize pattern that cuDNN's graph
 convolution recognises.
@@ -68,6 +71,13 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES: tuple[np.dtype, ...] = (E4M3, E5M2)
 SCALINGS = ("current", "delayed", "rowwise")
+# The XLA options of a program with FP8 GEMMs. On a real H200 under XLA's
+# defaults (jax 0.11.2) the GEMM autotuner spent 50 to 120 s on the first
+# FP8 step it compiled, timing Triton configurations for every new FP8 GEMM,
+# then chose cuBLAS for every one; with Triton GEMMs off the same step
+# compiled in 5 s to the same cuBLAS FP8 GEMMs and ran as fast
+# (benchmarks/results/gpu_check_nvidia-h200*.json, docs/fp8.md).
+FP8_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 MAX_MARGIN = 16
 # Names that mean "FP8 matmuls" where a dtype or policy name is expected
 # (`jmp_amp.autocast`, Flax rules, `make_train_step(autocast=...)`).
@@ -77,6 +87,15 @@ FP8_NAMES = ("float8", "fp8", "f8")
 def is_fp8_name(value: Any) -> bool:
   """Whether `value` is a str naming FP8 ("float8", "fp8", "f8", any case)."""
   return isinstance(value, str) and value.strip().lower() in FP8_NAMES
+
+
+def compiler_options(user: Optional[dict[str, Any]],
+                     fp8: bool) -> Optional[dict[str, Any]]:
+  """The XLA options a jitted step compiles with: `user`'s, over
+  `FP8_COMPILER_OPTIONS` when the step has FP8 GEMMs (`user`'s win)."""
+  if not fp8:
+    return user
+  return {**FP8_COMPILER_OPTIONS, **(user or {})}
 
 
 def fp8_max(dtype: Any) -> float:

@@ -22,11 +22,17 @@ from jmp_amp.flax import numerics as numerics_lib
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
 
 
+def is_fp8_autocast(autocast: AutocastSpec) -> bool:
+  """Whether ``autocast=`` runs the matmuls in FP8."""
+  return (isinstance(autocast, fp8_lib.FP8Recipe)
+          or fp8_lib.is_fp8_name(autocast))
+
+
 def autocast_hook(autocast: AutocastSpec) -> Optional[Callable]:
   """The function transformation the `autocast=` argument stands for."""
   if autocast is None:
     return None
-  if isinstance(autocast, fp8_lib.FP8Recipe) or fp8_lib.is_fp8_name(autocast):
+  if is_fp8_autocast(autocast):
     return lambda fn: jmp_amp.autocast(fn, autocast)  # float32 outputs
   if isinstance(autocast, (str, Policy)):
     # The wrapped function returns the loss and model state, not

@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 import jmp_amp
+from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
@@ -152,7 +153,12 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     jit: compile the step; False returns the plain function, to call inside
       your own `jax.jit` / `nnx.jit`.
     compiler_options: XLA options for `jax.jit`, e.g.
-      ``{"xla_backend_optimization_level": 0}`` for faster compiles.
+      ``{"xla_backend_optimization_level": 0}`` for faster compiles. A
+      model with FP8 layers (or ``autocast="float8"``) compiles with Triton
+      GEMMs off (``{"xla_gpu_enable_triton_gemm": False}``) unless these
+      options say otherwise: on a GPU, XLA's GEMM autotuner otherwise spends
+      a minute or more timing Triton kernels for the FP8 GEMMs, then picks
+      cuBLAS's (see docs/fp8.md).
     numerics: None, or the modules (path globs such as ``"blocks/*/attn"``,
       ``"**"`` for all, module classes, or a list of them) whose output and
       param-gradient statistics the step computes on device and returns as
@@ -238,7 +244,8 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     return metrics
 
   run = step if not jit else _jit_nnx_step(
-      step, donate=donate, compiler_options=compiler_options)
+      step, donate=donate, compiler_options=compiler_options,
+      fp8_autocast=_step_parts.is_fp8_autocast(autocast))
   if on_nonfinite is None:
     return run
   return _step_checks.with_localiser(run, loss_fn, on_nonfinite,
@@ -247,32 +254,45 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
 
 def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
-                  compiler_options: Optional[dict[str, Any]]):
-  """`step(model, optimizer, batch)` as a jax.jit over their split state."""
+                  compiler_options: Optional[dict[str, Any]],
+                  fp8_autocast: bool):
+  """`step(model, optimizer, batch)` as a jax.jit over their split state,
+  compiled with `fp8.FP8_COMPILER_OPTIONS` under `compiler_options` when the
+  step has FP8 GEMMs."""
 
   def pure(graphdef, state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     metrics = step(model, optimizer, batch)
     return nnx.state((model, optimizer)), metrics
 
-  jitted = jax.jit(pure, static_argnums=0,
-                   donate_argnums=(1,) if donate else (),
-                   compiler_options=compiler_options)
+  jitted = {}  # has FP8 GEMMs -> the jitted step
+  has_fp8 = {}  # graphdef -> whether the model has FP8 layers
   check_replicas = _step_checks.replica_check(_step_checks.optax_state)
+
+  def split(model, optimizer):
+    _step_checks.check_optimizer(optimizer)
+    graphdef, state = nnx.split((model, optimizer))
+    if graphdef not in has_fp8:
+      has_fp8[graphdef] = fp8_autocast or bool(
+          jax.tree.leaves(nnx.state(model, _fp8_op.FP8Meta)))
+    fp8 = has_fp8[graphdef]
+    if fp8 not in jitted:
+      jitted[fp8] = jax.jit(
+          pure, static_argnums=0, donate_argnums=(1,) if donate else (),
+          compiler_options=fp8_lib.compiler_options(compiler_options, fp8))
+    return jitted[fp8], graphdef, state
 
   @functools.wraps(step)
   def run(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _step_checks.check_optimizer(optimizer)
+    jitted_step, graphdef, state = split(model, optimizer)
     check_replicas(optimizer)
-    graphdef, state = nnx.split((model, optimizer))
-    new_state, metrics = jitted(graphdef, state, batch)
+    new_state, metrics = jitted_step(graphdef, state, batch)
     nnx.update((model, optimizer), new_state)
     return metrics
 
   def lower(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _step_checks.check_optimizer(optimizer)
-    graphdef, state = nnx.split((model, optimizer))
-    return jitted.lower(graphdef, state, batch)
+    jitted_step, graphdef, state = split(model, optimizer)
+    return jitted_step.lower(graphdef, state, batch)
 
   run.lower = lower
   return run
@@ -334,7 +354,8 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     revert_on_skip: keep the previous collections on a skipped step.
     donate: donate the state's buffers.
     jit: wrap the step in `jax.jit`.
-    compiler_options: XLA options for `jax.jit`.
+    compiler_options: XLA options for `jax.jit` (with ``autocast="float8"``
+      over Triton GEMMs off, as in `make_train_step`).
 
     numerics: None, or the modules whose output and param-gradient
       statistics go to ``metrics["numerics"]``, as for `make_train_step`
@@ -397,7 +418,9 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
   if not jit:
     return step
   jitted = jax.jit(step, donate_argnums=(0,) if donate else (),
-                   compiler_options=compiler_options)
+                   compiler_options=fp8_lib.compiler_options(
+                       compiler_options,
+                       _step_parts.is_fp8_autocast(autocast)))
   if jax.process_count() == 1:
     return jitted
   check_replicas = _step_checks.replica_check(

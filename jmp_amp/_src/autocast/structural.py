@@ -86,10 +86,23 @@ def _fixed_carry_dtypes(body: Callable[[list, list], list], init: list,
   raise AssertionError(f"carry dtypes did not settle: {carry_dtypes}")
 
 
+def _scan_counts(params) -> tuple[int, int]:
+  """(consts, carry) counts of a scan equation's inputs.
+
+  jax < 0.11 names them ``num_consts`` and ``num_carry``; later versions hold
+  the inputs' structure as ``ft_in`` = (consts, carry, xs), each iterating
+  over its leaves.
+  """
+  if "num_carry" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts)), len(list(carry))
+
+
 def _scan(evaluate: Evaluate, eqn, invals) -> list:
   params = eqn.params
-  n_carry = params["num_carry"]
-  consts, init, xs = _split(invals, params["num_consts"], n_carry)
+  n_consts, n_carry = _scan_counts(params)
+  consts, init, xs = _split(invals, n_consts, n_carry)
 
   def step(carry, x):
     return _split(evaluate(params["jaxpr"], [*consts, *carry, *x]), n_carry)

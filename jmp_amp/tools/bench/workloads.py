@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 import jmp_amp
+from jmp_amp._src import fp8 as fp8_lib
 
 # A mode's name is the policy it trains with (`jmp_amp.get_policy`'s name, or
 # "float8": FP8 matmuls), so that one name means one thing in the bench and in
@@ -127,7 +128,11 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
     metrics = inner(model, optimizer, batch)
     return nnx.state((model, optimizer)), metrics
 
-  return jax.jit(step, donate_argnums=0), state
+  # As make_train_step compiles it: Triton GEMMs off for FP8 GEMMs.
+  fp8 = (mode.get("policy") == "float8"
+         or fp8_lib.is_fp8_name(mode.get("autocast")))
+  return jax.jit(step, donate_argnums=0,
+                 compiler_options=fp8_lib.compiler_options(None, fp8)), state
 
 
 def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
