@@ -726,7 +726,11 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
     metrics = step(m, o, tokens)
     return nnx.state((m, o)), metrics
   graphdef, state = nnx.split((model, optimizer))
-  return jax.jit(pure, static_argnums=0), (graphdef, state, tokens)
+  # Compiled as make_train_step compiles it: Triton GEMMs off for FP8.
+  from jmp_amp._src import fp8 as fp8_lib  # pylint: disable=import-outside-toplevel
+  options = fp8_lib.compiler_options(None, variant.startswith("fp8"))
+  return (jax.jit(pure, static_argnums=0, compiler_options=options),
+          (graphdef, state, tokens))
 
 
 def feature_compile_seconds(variant, target="cpu", **kwargs):
@@ -736,7 +740,8 @@ def feature_compile_seconds(variant, target="cpu", **kwargs):
   start = _cpu_seconds()
   if target == "h100":
     from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
-    # XLA's default GPU options, as a real GPU compiles.
+    # XLA's default GPU options under the step's own (FP8: Triton GEMMs
+    # off), as a real GPU compiles make_train_step's step.
     gpu_target.compile_for_gpu(jitted, *args, gemm="default")
   else:
     jitted.trace(*args).lower().compile()
@@ -848,6 +853,8 @@ def main(argv=None):
            else ".compile() for one update plus apply_updates, ")
         + ("compiled for an H100 through the CUDA plugin's compile-only "
            "target on a machine without a GPU, " if device == "h100" else "")
+        + ("FP8 variants with Triton GEMMs off, as make_train_step compiles "
+           "them; " if whole_step else "")
         + "caches cleared before each; variants interleaved in rounds (order "
         + ("rotating); ratio of the best times of each pair" if whole_step
            else "rotating); ratio to bare optax taken within a round, median "
