@@ -12,7 +12,7 @@ is ``jmp_amp.autocast(..., "float8")``). Compiler figures, not timings.
 
 It compiles with XLA's default options, as a GPU does: GEMMs are Triton GEMM
 fusions or cuBLAS calls as XLA picks them, untuned since no GPU autotunes
-here. ``--gemm cublas`` turns Triton GEMMs off
+here; the FP8 modes' steps turn Triton GEMMs off, as `make_train_step` does. ``--gemm cublas`` turns Triton GEMMs off
 (``xla_gpu_enable_triton_gemm=False``, a configuration no GPU has unless
 asked for) and writes h100_compiled_cublas.{json,md,png}, labelled so.
 
@@ -87,7 +87,9 @@ def compile_all(workloads, modes, gemm="default"):
                  "and writes its result once (loop bodies once). "
                  + ("XLA's default options: GEMMs are Triton GEMM fusions or "
                     "cuBLAS calls as XLA picks them, untuned (no GPU "
-                    "autotunes here)." if gemm == "default" else
+                    "autotunes here); the FP8 modes' steps with Triton GEMMs "
+                    "off, as make_train_step compiles them." if gemm ==
+                    "default" else
                     "Triton GEMMs off (xla_gpu_enable_triton_gemm=False): "
                     "every GEMM a cuBLAS call, a configuration no GPU has "
                     "unless asked for."),

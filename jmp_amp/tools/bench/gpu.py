@@ -224,8 +224,9 @@ def format_report(rows: list[dict[str, Any]], title: str,
     if r["status"] != "ok":  # "FAILED" where it shows, the error below
       row[shown[1] if len(shown) > 1 else 0] = "FAILED"
   out = [table_lib.wrap(title, width),
-         table_lib.wrap(f"({gpu_target.label(target, gemm)}; jax "
-                        f"{jax.__version__})", width)]
+         table_lib.wrap(f"({gpu_target.label(target, gemm)}; FP8 modes "
+                        "with Triton GEMMs off, as make_train_step compiles "
+                        f"them; jax {jax.__version__})", width)]
   out += table_lib.render(COLUMNS, cells, shown, _RIGHT)
   out.append("")
   out.append(table_lib.wrap(LEGEND, width, "  "))
