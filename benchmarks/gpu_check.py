@@ -378,15 +378,18 @@ def device_name():
                                             d.platform).lower()).strip("-")
 
 
-def groups(workloads, names=None):
+def groups(workloads, names=None, isolate=False):
   """(workload, modes) per worker process, in the order they run: the modes
   the issues measure first, a mode whose compile may take minutes
-  (``SLOW_COMPILE``) in a process of its own after them."""
+  (``SLOW_COMPILE``) in a process of its own after them; with `isolate`,
+  every mode in a process of its own."""
   out = []
   for model_name in workloads:
     modes = modes_for(model_name, names)
     fast = [m for m in modes if (model_name, m) not in SLOW_COMPILE]
-    if fast:
+    if isolate:
+      out += [(model_name, [m]) for m in fast]
+    elif fast:
       out.append((model_name, fast))
   for model_name in workloads:
     out += [(model_name, [m]) for m in modes_for(model_name, names)
@@ -460,6 +463,11 @@ def main(argv=None):
   parser.add_argument("--budget", type=float, default=None,
                       help="seconds the whole check may take: a process "
                       "gets what is left, and none starts with under 30")
+  parser.add_argument("--isolate", action="store_true",
+                      help="every mode in a process of its own: cold compile "
+                      "seconds (a process keeps XLA's GEMM autotuning, so a "
+                      "mode compiled after another with the same GEMMs is "
+                      "cheaper), timed without interleaving")
   parser.add_argument("--no-torch", action="store_true",
                       help="skip the torch rows")
   parser.add_argument("--dump", metavar="DIR",
@@ -487,7 +495,7 @@ def main(argv=None):
   if os.path.exists(lines_path):
     os.remove(lines_path)
   started = time.perf_counter()
-  plan = groups(args.workloads, args.modes)
+  plan = groups(args.workloads, args.modes, args.isolate)
   if not args.no_torch:
     plan.append(("torch", list(args.workloads)))
 

@@ -76,3 +76,14 @@ def test_small_check_runs_every_mode_of_both_workloads(tmp_path):
     timed = {r["mode"] for r in result["rows"]
              if r["workload"] == workload and r.get("ms_per_step")}
     assert timed == set(check.modes_for(workload)), (workload, timed)
+
+
+def test_processes_run_slow_compiles_last_and_isolate_every_mode():
+  check = _gpu_check()
+  plan = check.groups(["mlp", "gpt"], ["mixed_bfloat16", "float8-rowwise"])
+  assert plan == [("mlp", ["mixed_bfloat16", "float8-rowwise"]),
+                  ("gpt", ["mixed_bfloat16"]), ("gpt", ["float8-rowwise"])]
+  plan = check.groups(["gpt"], ["float8", "mixed_bfloat16", "float8-rowwise"],
+                      isolate=True)
+  assert plan == [("gpt", ["float8"]), ("gpt", ["mixed_bfloat16"]),
+                  ("gpt", ["float8-rowwise"])]
