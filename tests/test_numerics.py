@@ -303,6 +303,23 @@ def test_tree_stats_fractions_are_of_all_the_elements():
   assert stats_lib.tree_stats({"i": jnp.arange(3)}) is None
 
 
+def test_tensor_stats_count_exactly_past_2_to_the_24():
+  # float32 counts stop at 2**24: summed as float32 flags, XLA:CPU said a
+  # quarter of this all-zero tensor of 2**26 elements was zeros.
+  from jmp_amp._src import tensor_stats as stats_lib
+  zeros = jnp.zeros((2**13, 2**13), jnp.bfloat16)
+  s = jax.jit(jmp_amp.numerics.tensor_stats)(zeros)
+  assert float(s["zeros"]) == 1.0 and float(s["underflow"]) == 0.0
+  mixed = jnp.zeros(2**25 + 3, jnp.float32).at[:2**24 + 2].set(jnp.inf)
+  s = jax.jit(lambda t: stats_lib.tree_stats(t))({"a": mixed, "b": mixed})
+  assert float(s["nonfinite"]) == 2**25 + 4  # float32 holds it exactly
+  assert float(s["zeros"]) == pytest.approx((2**25 + 3 - 2**24 - 2)
+                                            / (2**25 + 3), rel=1e-6)
+  with pytest.raises(ValueError, match=r"at most 2\*\*32 - 1 elements"):
+    jax.eval_shape(jmp_amp.numerics.tensor_stats,
+                   jax.ShapeDtypeStruct((2**16, 2**16), jnp.bfloat16))
+
+
 def test_watch_records_selected_module_outputs():
   model, _, (x, _) = _mlp()
   with fnum.watch(model, ["layers/1", nnx.Linear]) as seen:

@@ -40,23 +40,37 @@ def tensor_stats(x: jax.Array, dtype: Optional[Any] = None
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"tensor_stats takes a floating array, got {x.dtype}")
-  return _normalise(_counts(x, dtype), max(int(np.prod(x.shape)), 1))
+  size = int(np.prod(x.shape))
+  _check_size(size)
+  return _normalise(_counts(x, dtype), max(size, 1))
+
+
+# The counts are uint32, exact to 2**32 - 1 elements. (float32 counts stop
+# at 2**24: XLA:CPU reported a quarter of a 2**26-element zero tensor as
+# zeros.)
+_MAX_SIZE = 2**32 - 1
+
+
+def _check_size(size: int) -> None:
+  if size > _MAX_SIZE:
+    raise ValueError(f"tensor statistics count at most 2**32 - 1 elements; "
+                     f"got a tensor of {size}: take them of its parts")
 
 
 def _counts(x: jax.Array, dtype: Optional[Any]) -> tuple[jax.Array, ...]:
-  """(largest finite |x|, #underflowing, #zeros, #inf/NaN) of `x`: one
-  variadic reduction, so one kernel per tensor (four reductions and their
-  scalar tails made per-module telemetry double a train step's compile
-  time; issue #33)."""
+  """(largest finite |x|, #underflowing, #zeros, #inf/NaN) of `x`, the
+  counts exact uint32: one variadic reduction, so one kernel per tensor
+  (four reductions and their scalar tails made per-module telemetry double
+  a train step's compile time; issue #33)."""
   tiny = float(jnp.finfo(x.dtype if dtype is None else dtype).tiny)
   a = jnp.abs(x).astype(jnp.float32)
   finite = jnp.isfinite(a)
-  flag = lambda b: b.astype(jnp.float32)
+  flag = lambda b: b.astype(jnp.uint32)
   operands = (jnp.where(finite, a, 0.0), flag((a > 0) & (a < tiny)),
               flag(a == 0), flag(~finite))
-  zero = jnp.zeros((), jnp.float32)
+  inits = (jnp.zeros((), jnp.float32),) + (jnp.zeros((), jnp.uint32),) * 3
   return tuple(jax.lax.reduce(
-      operands, (zero,) * 4,
+      operands, inits,
       lambda p, q: (jnp.maximum(p[0], q[0]), p[1] + q[1], p[2] + q[2],
                     p[3] + q[3]),
       tuple(range(x.ndim))))
@@ -65,8 +79,9 @@ def _counts(x: jax.Array, dtype: Optional[Any]) -> tuple[jax.Array, ...]:
 def _normalise(counts: tuple[jax.Array, ...], size: int
                ) -> dict[str, jax.Array]:
   max_abs, underflow, zeros, nonfinite = counts
-  return {"max_abs": max_abs, "underflow": underflow / size,
-          "zeros": zeros / size, "nonfinite": nonfinite}
+  f32 = lambda n: n.astype(jnp.float32)
+  return {"max_abs": max_abs, "underflow": f32(underflow) / size,
+          "zeros": f32(zeros) / size, "nonfinite": f32(nonfinite)}
 
 
 def merge_stats(a: dict[str, jax.Array], b: dict[str, jax.Array]
@@ -90,6 +105,7 @@ def tree_stats(tree: Any, dtype: Optional[Any] = None
         and np.size(leaf)):
       c = _counts(jax.lax.stop_gradient(jnp.asarray(leaf)), dtype)
       size += int(np.size(leaf))
+      _check_size(size)
       total = c if total is None else (
           jnp.maximum(total[0], c[0]), *(t + n for t, n in zip(total[1:],
                                                                   c[1:])))
