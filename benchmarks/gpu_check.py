@@ -474,7 +474,8 @@ def main(argv=None):
                       help="write each compiled program (gzipped HLO) there")
   parser.add_argument("--compiler-option", action="append", default=[],
                       metavar="KEY=VALUE", help="an XLA option for every "
-                      "mode's compile (default: none, XLA's defaults)")
+                      "mode's compile, over the step's own (none, but Triton "
+                      "GEMMs off for FP8 modes, as make_train_step)")
   parser.add_argument("--out", help="the JSON file (default: "
                       "benchmarks/results/gpu_check_<device>.json)")
   parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
