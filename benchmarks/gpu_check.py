@@ -102,7 +102,8 @@ def _rules(mode):
 
 
 def build(model_name, mode, sizes, seed=0):
-  """(jitted step, state, batches, model FLOPs per step) of one mode."""
+  """(jitted step, state, batches, model FLOPs per step, its compiler
+  options) of one mode."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -111,6 +112,8 @@ def build(model_name, mode, sizes, seed=0):
   import jmp_amp
   import jmp_amp.flax as jflax
   from jmp_amp import optim
+  from jmp_amp._src import fp8 as fp8_lib
+  from jmp_amp.flax import _step_parts
   from jmp_amp.models import data as data_lib
   from jmp_amp.models import gpt as gpt_lib
   from jmp_amp.models import mlp as mlp_lib
@@ -156,17 +159,12 @@ def build(model_name, mode, sizes, seed=0):
     metrics = inner(model, optimizer, batch)
     return nnx.state((model, optimizer)), metrics["loss"]
 
-  return (jax.jit(step, donate_argnums=0, compiler_options=jit_options(mode)),
-          state, batches, flops)
-
-
-def jit_options(mode):
-  """The step's jit options, as make_train_step's: Triton GEMMs off for FP8
-  GEMMs (``--compiler-option xla_gpu_enable_triton_gemm=true`` gives XLA's
-  defaults back)."""
-  from jmp_amp._src import fp8 as fp8_lib
-  return fp8_lib.compiler_options(
-      None, bool(mode.get("fp8") or mode.get("autocast")))
+  # As make_train_step's: Triton GEMMs off for FP8 GEMMs
+  # (--compiler-option xla_gpu_enable_triton_gemm=true gives XLA's defaults).
+  options = fp8_lib.compiler_options(
+      None, _step_parts.has_fp8_gemms(model, mode.get("autocast")))
+  return (jax.jit(step, donate_argnums=0, compiler_options=options), state,
+          batches, flops, options)
 
 
 def _memory(compiled):
@@ -237,7 +235,8 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
     mode = MODES[name]
     try:
       t0 = time.perf_counter()
-      step, state, batches, flops = build(model_name, mode, sizes)
+      step, state, batches, flops, jit_options = build(model_name, mode,
+                                                       sizes)
       lowered = step.lower(state, batches[0])
       compiled = lowered.compile(compiler_options=options or None)
       compile_s = time.perf_counter() - t0
@@ -251,7 +250,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
         _dump(dump_dir, model_name, name, compiled)
       emit(dict(workload=model_name, mode=name, event="compiled",
                 compile_s=compile_s,
-                compiler_options={**(jit_options(mode) or {}),
+                compiler_options={**(jit_options or {}),
                                   **(options or {})} or "XLA defaults", memory_bytes=_memory(compiled),
                 gemms=device_report.counts_by_signature(),
                 gemm_stage="compiled", fp8_problem=problem))
@@ -424,7 +423,7 @@ def versions():
   return out
 
 
-def _rows(records, workloads, names):
+def _rows(records):
   rows, memory = {}, {}
   for r in records:
     if r["event"] == "memory":
@@ -532,7 +531,7 @@ def main(argv=None):
     with open(lines_path) as f:
       records = [json.loads(line) for line in f]
     os.remove(lines_path)
-  rows, memory = _rows(records, args.workloads, args.modes)
+  rows, memory = _rows(records)
   import jax
   result = dict(device=device_name(), platform=jax.default_backend(),
                 jax=jax.__version__, versions=versions(), small=args.small,

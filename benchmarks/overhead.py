@@ -728,7 +728,8 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
   graphdef, state = nnx.split((model, optimizer))
   # Compiled as make_train_step compiles it: Triton GEMMs off for FP8.
   from jmp_amp._src import fp8 as fp8_lib  # pylint: disable=import-outside-toplevel
-  options = fp8_lib.compiler_options(None, variant.startswith("fp8"))
+  from jmp_amp.flax import _step_parts  # pylint: disable=import-outside-toplevel
+  options = fp8_lib.compiler_options(None, _step_parts.has_fp8_gemms(model))
   return (jax.jit(pure, static_argnums=0, compiler_options=options),
           (graphdef, state, tokens))
 

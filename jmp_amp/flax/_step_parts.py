@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 import warnings
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaling_metrics
+from jmp_amp.flax import _fp8_op
 from jmp_amp.flax import numerics as numerics_lib
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
@@ -26,6 +28,14 @@ def is_fp8_autocast(autocast: AutocastSpec) -> bool:
   """Whether ``autocast=`` runs the matmuls in FP8."""
   return (isinstance(autocast, fp8_lib.FP8Recipe)
           or fp8_lib.is_fp8_name(autocast))
+
+
+def has_fp8_gemms(model: Any, autocast: AutocastSpec = None) -> bool:
+  """Whether a train step of `model` runs FP8 GEMMs: the model has FP8
+  layers (it holds their `FP8Meta` histories) or ``autocast=`` is FP8. Such
+  a step compiles with `fp8.FP8_COMPILER_OPTIONS` (`fp8.compiler_options`)."""
+  return is_fp8_autocast(autocast) or bool(
+      jax.tree.leaves(nnx.state(model, _fp8_op.FP8Meta)))
 
 
 def autocast_hook(autocast: AutocastSpec) -> Optional[Callable]:

@@ -245,7 +245,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
   run = step if not jit else _jit_nnx_step(
       step, donate=donate, compiler_options=compiler_options,
-      fp8_autocast=_step_parts.is_fp8_autocast(autocast))
+      autocast=autocast)
   if on_nonfinite is None:
     return run
   return _step_checks.with_localiser(run, loss_fn, on_nonfinite,
@@ -255,10 +255,10 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
 def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
                   compiler_options: Optional[dict[str, Any]],
-                  fp8_autocast: bool):
+                  autocast: AutocastSpec):
   """`step(model, optimizer, batch)` as a jax.jit over their split state,
   compiled with `fp8.FP8_COMPILER_OPTIONS` under `compiler_options` when the
-  step has FP8 GEMMs."""
+  step has FP8 GEMMs (`_step_parts.has_fp8_gemms`)."""
 
   def pure(graphdef, state, batch):
     model, optimizer = nnx.merge(graphdef, state)
@@ -266,15 +266,14 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
     return nnx.state((model, optimizer)), metrics
 
   jitted = {}  # has FP8 GEMMs -> the jitted step
-  has_fp8 = {}  # graphdef -> whether the model has FP8 layers
+  has_fp8 = {}  # graphdef -> has FP8 GEMMs (once per model structure)
   check_replicas = _step_checks.replica_check(_step_checks.optax_state)
 
   def split(model, optimizer):
     _step_checks.check_optimizer(optimizer)
     graphdef, state = nnx.split((model, optimizer))
     if graphdef not in has_fp8:
-      has_fp8[graphdef] = fp8_autocast or bool(
-          jax.tree.leaves(nnx.state(model, _fp8_op.FP8Meta)))
+      has_fp8[graphdef] = _step_parts.has_fp8_gemms(model, autocast)
     fp8 = has_fp8[graphdef]
     if fp8 not in jitted:
       jitted[fp8] = jax.jit(

@@ -108,6 +108,7 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
+  from jmp_amp.flax import _step_parts  # pylint: disable=g-import-not-at-top
 
   if mode.get("policy") == "float8":
     # FP8 matmuls but the first and last, norms float32, the rest bf16.
@@ -129,8 +130,7 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
     return nnx.state((model, optimizer)), metrics
 
   # As make_train_step compiles it: Triton GEMMs off for FP8 GEMMs.
-  fp8 = (mode.get("policy") == "float8"
-         or fp8_lib.is_fp8_name(mode.get("autocast")))
+  fp8 = _step_parts.has_fp8_gemms(model, mode.get("autocast"))
   return jax.jit(step, donate_argnums=0,
                  compiler_options=fp8_lib.compiler_options(None, fp8)), state
 
