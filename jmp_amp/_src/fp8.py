@@ -15,8 +15,9 @@ forward, ``f8e5m2 x f8e4m3fn`` and ``f8e4m3fn x f8e5m2`` backward, with
 float32 accumulation. On a real H200 under XLA's default options the
 autotuner chose cuBLAS for every FP8 GEMM of the benchmarks, after timing
 Triton configurations for a minute or two per step; jmp_amp's own jitted
-steps therefore compile FP8 programs with `FP8_COMPILER_OPTIONS`. On CPU the same program runs
-with the rounded values, so its numerics can be tested anywhere.
+steps therefore compile FP8 programs with `FP8_COMPILER_OPTIONS`. On CPU the
+same program runs with the rounded values, so its numerics can be tested
+anywhere.
 Convolutions keep the quantize -> dequantize pattern that cuDNN's graph
 convolution recognises.
 
