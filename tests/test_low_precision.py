@@ -64,6 +64,20 @@ def test_rounds_to_one_of_the_two_neighbours():
   assert 0.3 < np.mean(yb[inexact] == down[inexact]) < 0.7
 
 
+def test_float32_subnormals_and_low_payload_nans_are_kept():
+  # The rounding is integer arithmetic on the bits (#33): subnormals round to
+  # a neighbour, not to zero (float ops may flush them on CPU), and a NaN
+  # whose payload is only in the low 16 bits stays NaN, not inf.
+  sub = np.array([1, 0x7FFF, 0x12345, 0x7FFFFF], np.uint32)
+  x = np.concatenate([sub, sub | 0x80000000]).view(np.float32)
+  y = bits(optim.stochastic_round(jnp.asarray(x), jax.random.key(3)))
+  down = (x.view(np.uint32) >> 16).astype(np.uint16)
+  assert np.all((y == down) | (y == down + 1))
+  nans = np.array([0x7F800001, 0xFF80FFFF], np.uint32).view(np.float32)
+  assert np.isnan(np.asarray(optim.stochastic_round(
+      jnp.asarray(nans), jax.random.key(0)), np.float32)).all()
+
+
 @pytest.mark.parametrize("frac", [1 / 1024, 0.1, 0.5, 0.77])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_unbiased(frac, sign):
