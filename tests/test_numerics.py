@@ -10,7 +10,9 @@ kind and direction once; the rest is marked slow.
 
 from __future__ import annotations
 
+import cProfile
 import functools
+import pstats
 import re
 import sys
 import warnings
@@ -348,6 +350,48 @@ def test_watch_chains_and_restores_a_previous_profiler():
   finally:
     sys.setprofile(None)
   assert "call" in calls and len(seen.outputs) == 4  # the root and 3 layers
+
+
+def test_watch_under_cprofile_records_and_leaves_the_profiler_running():
+  # Before Python 3.12 cProfile holds the profile slot as a C function that
+  # Python cannot call: chaining to it raised TypeError, so a profiled
+  # training run with telemetry crashed (#33).
+  model, _, (x, _) = _mlp()
+  profiler = cProfile.Profile()
+
+  def after_watch():
+    return None
+
+  profiler.enable()
+  try:
+    with fnum.watch(model, "**") as seen:
+      model(x)
+    after_watch()
+  finally:
+    profiler.disable()
+  assert len(seen.outputs) == 4  # the root and 3 layers
+  profiled = {name for _, _, name in pstats.Stats(profiler).stats}
+  assert "after_watch" in profiled
+
+
+def test_watch_refuses_when_a_c_profiler_and_a_tracer_hold_both_slots():
+  if sys.version_info >= (3, 12):
+    pytest.skip("cProfile takes neither slot on Python 3.12+")
+  model, _, (x, _) = _mlp()
+  profiler = cProfile.Profile()
+  tracer = lambda frame, event, arg: None
+  previous_trace = sys.gettrace()  # pytest's own coverage, if any
+  profiler.enable()
+  sys.settrace(tracer)
+  try:
+    with pytest.raises(RuntimeError, match=r"both are taken: by a C-level "
+                       r"profiler \(Profile.*a trace function"):
+      with fnum.watch(model, "**"):
+        model(x)
+    assert sys.gettrace() is tracer
+  finally:
+    sys.settrace(previous_trace)
+    profiler.disable()
 
 
 def test_watch_linen_records_and_scopes():
