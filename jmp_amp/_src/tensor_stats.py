@@ -66,7 +66,9 @@ def _counts(x: jax.Array, dtype: Optional[Any]) -> tuple[jax.Array, ...]:
   a = jnp.abs(x).astype(jnp.float32)
   finite = jnp.isfinite(a)
   flag = lambda b: b.astype(jnp.uint32)
-  operands = (jnp.where(finite, a, 0.0), flag((a > 0) & (a < tiny)),
+  # lax.select, not jnp.where: no nested jit per tensor (compile time).
+  operands = (jax.lax.select(finite, a, jnp.zeros_like(a)),
+              flag((a > 0) & (a < tiny)),
               flag(a == 0), flag(~finite))
   inits = (jnp.zeros((), jnp.float32),) + (jnp.zeros((), jnp.uint32),) * 3
   return tuple(jax.lax.reduce(
