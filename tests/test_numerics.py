@@ -394,6 +394,79 @@ def test_watch_refuses_when_a_c_profiler_and_a_tracer_hold_both_slots():
     profiler.disable()
 
 
+needs_monitoring = pytest.mark.skipif(
+    sys.version_info < (3, 12), reason="sys.monitoring is Python 3.12+")
+
+
+@needs_monitoring
+def test_watch_takes_no_profile_or_trace_slot_on_python_3_12():
+  # sys.monitoring events on the modules' methods only: tracing anything
+  # else costs nothing (#33), and debuggers, coverage, profilers keep theirs.
+  model, _, (x, _) = _mlp()
+  trace = sys.gettrace()
+  with fnum.watch(model, "**") as seen:
+    assert sys.getprofile() is None and sys.gettrace() is trace
+    held = [sys.monitoring.get_tool(i) for i in range(6)]
+    model(x)
+  assert "jmp_amp.flax.numerics" in held
+  assert "jmp_amp.flax.numerics" not in [
+      sys.monitoring.get_tool(i) for i in range(6)]
+  assert len(seen.outputs) == 4  # the root and 3 layers
+
+
+@needs_monitoring
+def test_watch_falls_back_to_a_profile_function_without_a_free_tool_id():
+  model, _, (x, _) = _mlp()
+  taken = [i for i in (3, 4) if sys.monitoring.get_tool(i) is None]
+  for i in taken:
+    sys.monitoring.use_tool_id(i, "test")
+  try:
+    with fnum.watch(model, "**") as seen:
+      assert sys.getprofile() is not None
+      model(x)
+  finally:
+    for i in taken:
+      sys.monitoring.free_tool_id(i)
+  assert sys.getprofile() is None and len(seen.outputs) == 4
+
+
+def test_a_caught_exception_closes_its_modules_scope():
+  # A module call that raises, caught by its parent: the later ops are not
+  # named after it, and it records nothing.
+  from jmp_amp._src import localise  # pylint: disable=g-import-not-at-top
+
+  class Boom(nnx.Module):
+
+    def __call__(self, x):
+      raise ValueError("boom")
+
+  class Parent(nnx.Module):
+
+    def __init__(self):
+      self.boom = Boom()
+      self.dense = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      try:
+        self.boom(x)
+      except ValueError:
+        pass
+      return jnp.sin(self.dense(x))
+
+  model = Parent()
+
+  def f(x):
+    with fnum.watch(model, "**") as seen:
+      y = model(x)
+    return y, seen.outputs
+
+  eqns = jax.make_jaxpr(f)(jnp.ones((1, 2))).jaxpr.eqns
+  sin = [e for e in eqns if e.primitive.name == "sin"]
+  assert [localise.module_of(str(e.source_info.name_stack))
+          for e in sin] == [""]
+  assert sorted(jax.eval_shape(f, jnp.ones((1, 2)))[1]) == ["", "dense"]
+
+
 def test_watch_linen_records_and_scopes():
   module = models.LinenMLP(8, 4, 2, width=16)
   x = jnp.ones((2, 8))

@@ -27,12 +27,12 @@ stacked by `nnx.vmap`, run by `nnx.scan`) reports one entry per block, under
 its path in the unscanned model (``blocks/0/attn``), which patterns match.
 
 How module calls are seen: linen through `flax.linen.intercept_methods`;
-NNX, which has no method interceptor, through a `sys.setprofile` hook that
-is installed only while `watch` is active (at trace time) and sees calls of
-the public methods and ``__call__`` of the model's modules. A Python
-profile function installed before is called too and put back afterwards; a
-C-level profiler (cProfile before Python 3.12), which Python cannot call,
-keeps running and the hook uses `sys.settrace` instead.
+NNX, which has no method interceptor, through the interpreter, only while
+`watch` is active (at trace time), on calls of the public methods and
+``__call__`` of the model's modules: `sys.monitoring` events on those
+methods alone (Python 3.12+), or a `sys.setprofile` hook, after any Python
+profile function there (a C-level one, cProfile before 3.12, keeps running
+and the hook uses `sys.settrace`). See `jmp_amp/flax/_calls.py`.
 
 Example:
   >>> import jmp_amp.flax.numerics as numerics
@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import warnings
 
@@ -62,6 +61,7 @@ import numpy as np
 from jmp_amp._src import fp8 as fp8_core
 from jmp_amp._src import localise
 from jmp_amp._src import tensor_stats as stats_lib
+from jmp_amp.flax import _calls as calls_lib
 from jmp_amp.flax import _fp8 as fp8_layers
 from jmp_amp.flax import _scan as scan_lib
 from jmp_amp.flax import _select as select_lib
@@ -98,8 +98,8 @@ class Seen:
 
 
 def _nnx_hook(paths: dict[int, tuple[str, Any]], seen: Seen, stacked: bool):
-  """A profile function: named scopes around the modules' method calls (the
-  copies of a stack's modules inside a transform too, if `stacked`)."""
+  """A profile-style function: named scopes around the modules' method calls
+  (the copies of a stack's modules inside a transform too, if `stacked`)."""
   open_scopes: dict[int, tuple[Any, str, Any]] = {}
 
   def hook(frame, event, arg):
@@ -193,52 +193,14 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
   stacks = scan_lib.StackWatch(model, seen.select)
   if seen.select is not None:
     seen.select.warn_unmatched(stacks.candidates, type(model).__name__)
-  restore = _install(_nnx_hook(paths, seen, bool(stacks.marked)))
+  restore = calls_lib.follow(
+      _nnx_hook(paths, seen, bool(stacks.marked)),
+      calls_lib.method_codes({type(m) for _, m in paths.values()}))
   try:
     yield seen
   finally:
     restore()
     seen.outputs.update(stacks.close())
-
-
-def _install(hook: Callable) -> Callable[[], None]:
-  """Calls `hook` (a profile function) on this thread's calls and returns;
-  returns what undoes it.
-
-  The profile slot is used, after any Python profile function already there
-  (called after `hook`). A C-level profiler there (cProfile before Python
-  3.12) cannot be called from Python, so the trace slot is used instead,
-  leaving the profiler running; with a trace function (a debugger,
-  coverage) there too, no slot is free and this raises.
-  """
-  previous = sys.getprofile()
-  if previous is None or callable(previous):
-    chained = hook if previous is None else (
-        lambda frame, event, arg: (hook(frame, event, arg),
-                                   previous(frame, event, arg)))
-    sys.setprofile(chained)
-    return lambda: sys.setprofile(previous)
-  if sys.gettrace() is not None:
-    raise RuntimeError(
-        "jmp_amp.flax.numerics: telemetry follows the model's calls through "
-        "sys.setprofile or sys.settrace, but both are taken: by a C-level "
-        f"profiler ({type(previous).__name__}; cProfile before Python 3.12) "
-        "and by a trace function (a debugger or coverage). Stop one of them "
-        "while the step is traced, or use Python 3.12+ (where cProfile "
-        "takes neither).")
-
-  def on_return(frame, event, arg):
-    if event == "return":
-      hook(frame, event, arg)
-    return on_return
-
-  def on_call(frame, event, arg):
-    hook(frame, event, arg)
-    frame.f_trace_lines = False  # Only the frame's "return" is wanted.
-    return on_return
-
-  sys.settrace(on_call)
-  return lambda: sys.settrace(None)
 
 
 def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
