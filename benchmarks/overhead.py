@@ -54,6 +54,9 @@ Targets:
   the step without it (`FEATURE_PAIRS`), best of ``--rounds`` interleaved;
   ``--workloads gpt-scanned``: the bf16 step of the GPT with its blocks
   under `nnx.scan` or unrolled, at 4 and 24 blocks.
+  ``--target compile-gpu --workloads gpt16-features`` compiles the feature
+  pairs on the local GPU: wall seconds, each compile cold in a process of its
+  own (XLA:GPU keeps its GEMM autotuning for the life of a process).
 
 Usage:
   python benchmarks/overhead.py --json benchmarks/results/overhead_cpu.json
@@ -749,16 +752,53 @@ def feature_compile_seconds(variant, target="cpu", **kwargs):
   return _cpu_seconds() - start
 
 
+def feature_worker(variant):
+  """One variant's step compiled cold on the local GPU, in this fresh
+  process: prints its wall and CPU seconds as one JSON line. A small GEMM is
+  compiled and run first, so that the device's start-up (its runtime,
+  cuBLAS, the autotuner) is not counted."""
+  x = jnp.ones((256, 256), jnp.bfloat16)
+  jax.block_until_ready(jax.jit(lambda a: a @ a)(x))
+  jitted, args = _feature_step(variant)
+  wall, cpu = time.perf_counter(), _cpu_seconds()
+  jitted.trace(*args).lower().compile()
+  print(json.dumps({"variant": variant, "wall": time.perf_counter() - wall,
+                    "cpu": _cpu_seconds() - cpu}), flush=True)
+
+
+def _feature_in_process(variant, timeout=600):
+  """(wall, CPU) seconds of `feature_worker(variant)` in a process of its
+  own: XLA:GPU keeps its GEMM autotuning for the life of a process, so only
+  a fresh one compiles as a user's first run does."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  out = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), "--feature-worker",
+       variant], capture_output=True, text=True, timeout=timeout, check=True)
+  record = json.loads(out.stdout.strip().splitlines()[-1])
+  return record["wall"], record["cpu"]
+
+
 def run_features(rounds, target="cpu"):
-  """Each feature's whole-step compile time against the step without it."""
+  """Each feature's whole-step compile time against the step without it
+  (``target="gpu"``: wall seconds on the local GPU, each compile cold in a
+  process of its own, CPU seconds beside them)."""
   variants = sorted({v for pair in FEATURE_PAIRS.values() for v in pair})
   seconds = {name: [] for name in variants}
+  cpu = {name: [] for name in variants}
   for r in range(rounds):
     for name in variants[r % len(variants):] + variants[:r % len(variants)]:
-      seconds[name].append(feature_compile_seconds(name, target))
+      if target == "gpu":
+        wall, cpu_s = _feature_in_process(name)
+        seconds[name].append(wall)
+        cpu[name].append(cpu_s)
+      else:
+        seconds[name].append(feature_compile_seconds(name, target))
       print(f"  {name:28s} {seconds[name][-1]:6.2f} s", flush=True)
   results = {name: {"seconds_best": min(t), "seconds_all": t}
              for name, t in seconds.items()}
+  if target == "gpu":
+    for name, t in cpu.items():
+      results[name]["cpu_seconds_all"] = t
   pairs = {}
   for feature, (with_, without) in FEATURE_PAIRS.items():
     pairs[feature] = {"with": with_, "without": without,
@@ -825,7 +865,8 @@ def run_compile(case, rounds, target="cpu", gemm="default"):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--target",
-                  choices=["cpu", "gpu", "h100", "compile", "compile-h100"],
+                  choices=["cpu", "gpu", "h100", "compile", "compile-h100",
+                           "compile-gpu"],
                   default="cpu")
   ap.add_argument("--workloads", default=None,
                   help="comma-separated; default adam20m,seed-cpu (cpu) or "
@@ -839,16 +880,33 @@ def main(argv=None):
   ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
                   help="h100, compile-h100: XLA's default options (Triton "
                        "GEMMs) or cublas (Triton GEMMs off, labelled)")
+  ap.add_argument("--feature-worker", help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
+  if a.feature_worker:
+    feature_worker(a.feature_worker)
+    return 0
   skip = tuple(s for s in a.skip.split(",") if s)
   default = "adam20m,seed-cpu" if a.target == "cpu" else "adam20m,seed"
   workloads = (a.workloads or default).split(",")
   report = {"env": environment(a.target, a.gemm), "target": a.target,
             "workloads": []}
   if a.target.startswith("compile"):
-    device = "h100" if a.target == "compile-h100" else "cpu"
+    device = {"compile-h100": "h100", "compile-gpu": "gpu"}.get(a.target,
+                                                               "cpu")
     whole_step = a.workloads in ("gpt16-features", "gpt-scanned")
+    if device == "gpu" and a.workloads != "gpt16-features":
+      raise SystemExit("--target compile-gpu measures --workloads "
+                       "gpt16-features only")
+    if device == "gpu":
+      report["env"]["device"] = jax.devices()[0].device_kind
     report["method"] = (
+        "wall seconds of jax.jit(step).trace().lower().compile() of each "
+        "variant's whole GPT train step on the local GPU at XLA's default "
+        "options (FP8 variants with Triton GEMMs off, as make_train_step "
+        "compiles them), each compile cold in a fresh process after one "
+        "small GEMM (the device's start-up not counted), CPU seconds beside "
+        "them; variants interleaved in rounds (order rotating); ratio of the "
+        "best times of each pair" if device == "gpu" else
         "CPU time (process and children) of jax.jit(step).trace().lower()"
         + (".compile() of each variant's whole GPT train step, " if whole_step
            else ".compile() for one update plus apply_updates, ")
