@@ -210,6 +210,38 @@ def test_hyperparameters_stay_float32_and_unrounded():
   assert updates["w"].dtype == jnp.float32
 
 
+def _params_copy():
+  """A transformation whose state starts as a float32 copy of the params."""
+  return optax.GradientTransformation(lambda params: params,
+                                      lambda updates, state, params=None:
+                                      (updates, state))
+
+
+def test_init_rounds_once_per_leaf_shape_and_as_under_jit(caplog):
+  """Outside a jit, init rounds each leaf with one compiled program per leaf
+  shape: op by op, each of a rounding's ~20 operations was compiled per shape
+  (seconds for a GPT's Adam state; issue #33). The bits are those of the same
+  init traced under jit; every value is one of its two bfloat16 neighbours."""
+  rng = np.random.default_rng(0)
+  shapes = [(3, 5), (7,), (2, 3, 4)]
+  params = {f"p{i}_{j}": jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            for i, shape in enumerate(shapes) for j in range(4)}
+  opt = optim.compress_state(_params_copy(), seed=3)
+  with jax.log_compiles(True), caplog.at_level("WARNING"):
+    state = opt.init(params)
+  compiles = [r for r in caplog.records
+              if r.getMessage().startswith("Compiling")]
+  assert len(compiles) <= len(shapes) + 4, [r.getMessage()[:60]
+                                           for r in compiles]
+  assert_bitwise_equal(state, jax.jit(opt.init)(params))
+  for name, x in params.items():
+    got = np.asarray(state.inner_state[name].astype(jnp.float32))
+    bits = np.asarray(x).view(np.uint32) & np.uint32(0xFFFF0000)
+    toward_zero, away = bits.view(np.float32), (bits + 0x10000).view(
+        np.float32)
+    assert np.all((got == toward_zero) | (got == away)), name
+
+
 def ema_of_constant(rounding, steps=3000, beta=0.999):
   """nu of `steps` Adam updates with a constant gradient g: -> g**2."""
   opt = optim.compress_state(optax.scale_by_adam(b2=beta), rounding=rounding)
