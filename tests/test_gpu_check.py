@@ -61,8 +61,8 @@ def test_summary_ratios_and_fp8_failures():
   assert got["gpt float8 speed vs mixed_bfloat16"] == pytest.approx(1.2)
   assert got["gpt float8-rowwise speed vs mixed_bfloat16"] == pytest.approx(
       1.0)
-  assert got["gpt float8-rowwise compile s vs mixed_bfloat16"] == (
-      pytest.approx(2.0))
+  assert got["gpt compile s vs mixed_bfloat16"] == {
+      "float8": pytest.approx(1.2), "float8-rowwise": pytest.approx(2.0)}
   assert got["mlp float8-all speed vs mixed_bfloat16"] is None  # never ran
   assert got["fp8 modes whose device GEMMs are not all FP8"] == ["gpt/float8"]
 
