@@ -778,10 +778,12 @@ def _feature_in_process(variant, timeout=600):
   return record["wall"], record["cpu"]
 
 
-def run_features(rounds, target="cpu"):
+def run_features(rounds, target="cpu", partial=None):
   """Each feature's whole-step compile time against the step without it
   (``target="gpu"``: wall seconds on the local GPU, each compile cold in a
-  process of its own, CPU seconds beside them)."""
+  process of its own, CPU seconds beside them). `partial`, if given, gets
+  the workload's report so far after each compile, so that a run stopped
+  part-way keeps what it measured."""
   variants = sorted({v for pair in FEATURE_PAIRS.values() for v in pair})
   seconds = {name: [] for name in variants}
   cpu = {name: [] for name in variants}
@@ -794,18 +796,28 @@ def run_features(rounds, target="cpu"):
       else:
         seconds[name].append(feature_compile_seconds(name, target))
       print(f"  {name:28s} {seconds[name][-1]:6.2f} s", flush=True)
+      if partial is not None:
+        partial(_features_report(seconds, cpu if target == "gpu" else None,
+                                 rounds))
+  report = _features_report(seconds, cpu if target == "gpu" else None, rounds)
+  for feature, pair in report["pairs"].items():
+    print(f"features {feature:26s} {pair['ratio_best']:5.2f}x", flush=True)
+  return report
+
+
+def _features_report(seconds, cpu, rounds):
+  """The gpt16-features workload's report from the seconds measured so far
+  (a pair once both of its variants have been compiled)."""
   results = {name: {"seconds_best": min(t), "seconds_all": t}
-             for name, t in seconds.items()}
-  if target == "gpu":
-    for name, t in cpu.items():
-      results[name]["cpu_seconds_all"] = t
-  pairs = {}
-  for feature, (with_, without) in FEATURE_PAIRS.items():
-    pairs[feature] = {"with": with_, "without": without,
-                      "ratio_best": min(seconds[with_]) / min(seconds[without]),
-                      "limit": FEATURE_LIMITS[feature]}
-    print(f"features {feature:26s} {pairs[feature]['ratio_best']:5.2f}x",
-          flush=True)
+             for name, t in seconds.items() if t}
+  for name in results if cpu is not None else ():
+    results[name]["cpu_seconds_all"] = cpu[name]
+  pairs = {feature: {"with": with_, "without": without,
+                     "ratio_best": (results[with_]["seconds_best"]
+                                    / results[without]["seconds_best"]),
+                     "limit": FEATURE_LIMITS[feature]}
+           for feature, (with_, without) in FEATURE_PAIRS.items()
+           if with_ in results and without in results}
   return {"workload": "gpt16-features", "optimizer": "adamw",
           "step": "GPT train step (jmp_amp.flax.make_train_step): 16 unscanned "
                   "blocks, d_model 128, 4 heads, vocab 1024, batch 8 x 64 "
@@ -920,7 +932,10 @@ def main(argv=None):
            "over rounds"))
     for w in (a.workloads or ",".join(COMPILE_CASES)).split(","):
       if w == "gpt16-features":
-        report["workloads"].append(run_features(a.rounds, device))
+        done = list(report["workloads"])
+        report["workloads"].append(run_features(
+            a.rounds, device, partial=lambda wl, done=done: write(
+                a.json, dict(report, workloads=done + [wl]))))
       elif w == "gpt-scanned":
         report["workloads"].append(run_scanned(a.rounds, device))
       else:
@@ -948,12 +963,18 @@ def main(argv=None):
     for w in workloads:
       report["workloads"].append(run_h100(w, skip, a.dump, a.gemm))
       print_rows({"workloads": report["workloads"][-1:]})
-  if a.json:
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-      json.dump(report, f, indent=1, sort_keys=False)
-      f.write("\n")
+  write(a.json, report)
   return 0
+
+
+def write(path, report):
+  """`report` as JSON at `path` (nothing without a path)."""
+  if not path:
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(report, f, indent=1, sort_keys=False)
+    f.write("\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""benchmarks/overhead.py's whole-step feature pairs (issue #33): the report
+a run writes, also part-way."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def overhead():
+  spec = importlib.util.spec_from_file_location(
+      "overhead", ROOT / "benchmarks" / "overhead.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_a_pair_is_reported_once_both_of_its_variants_are_compiled(overhead):
+  seconds = {"bf16": [10.0, 8.0], "telemetry": [12.0],
+             "fp8 current": [], "by hand (plain adamw)": [9.0]}
+  report = overhead._features_report(
+      seconds, {"bf16": [40.0, 41.0], "telemetry": [50.0],
+                "fp8 current": [], "by hand (plain adamw)": [39.0]}, rounds=2)
+  assert set(report["results"]) == {"bf16", "telemetry",
+                                    "by hand (plain adamw)"}
+  assert report["results"]["bf16"]["seconds_best"] == 8.0
+  assert report["results"]["bf16"]["cpu_seconds_all"] == [40.0, 41.0]
+  assert set(report["pairs"]) == {"telemetry"}  # loss scaling: not yet
+  assert report["pairs"]["telemetry"]["ratio_best"] == pytest.approx(1.5)
+  assert report["pairs"]["telemetry"]["limit"] == 1.3
+  json.dumps(report)
+
+
+def test_each_compile_rewrites_the_partial_report(overhead, monkeypatch):
+  times = iter(range(10, 100))
+  monkeypatch.setattr(overhead, "feature_compile_seconds",
+                      lambda name, target: float(next(times)))
+  seen = []
+  report = overhead.run_features(1, "cpu", partial=seen.append)
+  variants = {v for pair in overhead.FEATURE_PAIRS.values() for v in pair}
+  assert len(seen) == len(variants)
+  assert [len(r["results"]) for r in seen] == list(range(1, len(variants) + 1))
+  assert seen[-1] == report and set(report["pairs"]) == set(
+      overhead.FEATURE_PAIRS)
+  assert "cpu_seconds_all" not in report["results"]["bf16"]
