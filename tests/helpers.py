@@ -1,6 +1,8 @@
 """Assertion helpers shared by the tests (importable: tests/ is on pythonpath)."""
 
 import functools
+import importlib.util
+import pathlib
 
 import jax
 import numpy as np
@@ -65,3 +67,13 @@ def h100_target_or_skip():
     gpu_target.target_device("h100")
   except RuntimeError as e:
     pytest.skip(f"CUDA plugin gave no compile-only target: {e}")
+
+
+def benchmark(name: str):
+  """The script benchmarks/`name`.py, loaded as a module."""
+  path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / (
+      name + ".py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

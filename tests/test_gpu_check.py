@@ -1,20 +1,17 @@
 """benchmarks/gpu_check.py, the device check, in its small CPU mode."""
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
+import helpers
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _gpu_check():
-  spec = importlib.util.spec_from_file_location(
-      "gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return helpers.benchmark("gpu_check")
 
 
 def _run(tmp_path, *argv):

@@ -1,22 +1,16 @@
 """benchmarks/overhead.py's whole-step feature pairs (issue #33): the report
 a run writes, also part-way."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import helpers
 
 
 @pytest.fixture(scope="module")
 def overhead():
-  spec = importlib.util.spec_from_file_location(
-      "overhead", ROOT / "benchmarks" / "overhead.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return helpers.benchmark("overhead")
 
 
 def test_a_pair_is_reported_once_both_of_its_variants_are_compiled(overhead):
