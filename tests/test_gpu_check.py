@@ -1,13 +1,10 @@
 """benchmarks/gpu_check.py, the device check, in its small CPU mode."""
 
 import json
-import pathlib
 
 import pytest
 
 import helpers
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _gpu_check():
