@@ -175,7 +175,7 @@ def _memory(compiled):
              + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
 
 
-def _warm_up():
+def warm_up():
   """Compiles and runs one small GEMM first, so that the device's start-up
   (its runtime, cuBLAS, the autotuner) is not counted in any mode's compile
   seconds."""
@@ -225,7 +225,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
               model_tflops=p["flops"] / median / 1e12,
               bf16_peak_share=(p["flops"] / median / peak if peak else None)))
 
-  _warm_up()
+  warm_up()
   peak = None
   if model_name == "gpt":
     import gpt_bench
