@@ -73,9 +73,16 @@ def test_float32_subnormals_and_low_payload_nans_are_kept():
   y = bits(optim.stochastic_round(jnp.asarray(x), jax.random.key(3)))
   down = (x.view(np.uint32) >> 16).astype(np.uint16)
   assert np.all((y == down) | (y == down + 1))
-  nans = np.array([0x7F800001, 0xFF80FFFF], np.uint32).view(np.float32)
-  assert np.isnan(np.asarray(optim.stochastic_round(
-      jnp.asarray(nans), jax.random.key(0)), np.float32)).all()
+  # NaNs whose payload fills the high bits too: a GPU's canonical NaN is
+  # 0x7FFFFFFF, x86's 0xFFC00000. Adding the random bits to these carries
+  # out of the magnitude (into the sign, or wrapping to +0) unless NaN is
+  # kept apart, as the rounding does.
+  nans = np.array([0x7F800001, 0xFF80FFFF, 0x7FFFFFFF, 0xFFFFFFFF,
+                   0x7FFF0001, 0x7FC00000, 0xFFC00000],
+                  np.uint32).view(np.float32)
+  for seed in range(4):
+    assert np.isnan(np.asarray(optim.stochastic_round(
+        jnp.asarray(nans), jax.random.key(seed)), np.float32)).all()
 
 
 @pytest.mark.parametrize("frac", [1 / 1024, 0.1, 0.5, 0.77])
