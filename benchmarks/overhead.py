@@ -51,11 +51,13 @@ Targets:
   default GPU options for the whole-step cases below).
   ``--workloads gpt16-features``: each feature's whole train step
   (`jmp_amp.flax.make_train_step` on a GPT of 16 unscanned blocks) against
-  the step without it (`FEATURE_PAIRS`), best of ``--rounds`` interleaved;
-  ``--workloads gpt-scanned``: the bf16 step of the GPT with its blocks
+  the step without it (`FEATURE_PAIRS`), best of ``--rounds`` interleaved,
+  and beside 16-bit state its floor, the same storage rounded to nearest
+  (`FEATURE_FLOORS`); ``--workloads gpt16-scanned-features``: the same
+  with the blocks stacked under `nnx.scan`; ``--workloads gpt-scanned``: the bf16 step of the GPT with its blocks
   under `nnx.scan` or unrolled, at 4 and 24 blocks.
-  ``--target compile-gpu --workloads gpt16-features`` compiles the feature
-  pairs on the local GPU: wall seconds, each compile cold in a process of its
+  ``--target compile-gpu --workloads gpt16-features`` (or
+  ``gpt16-scanned-features``) compiles the feature pairs on the local GPU: wall seconds, each compile cold in a process of its
   own (XLA:GPU keeps its GEMM autotuning for the life of a process).
 
 Usage:
@@ -675,6 +677,10 @@ FEATURE_PAIRS = {
 FEATURE_LIMITS = {"loss scaling": 1.15, "16-bit state and params": 1.3,
                   "telemetry": 1.3, "fp8 current": 1.3, "fp8 delayed": 1.3,
                   "fp8 rowwise": 1.5}
+# feature -> a variant measured beside it as its floor: the same 16-bit
+# storage rounded to nearest, so the pair's cost splits into storing in 16
+# bits and rounding stochastically.
+FEATURE_FLOORS = {"16-bit state and params": "16-bit, round to nearest"}
 
 
 def _feature_step(variant, scan_layers=False, num_layers=None):
@@ -692,19 +698,22 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
   tx = optax.adamw(1e-3)
   scale = jmp_amp.NoOpLossScale()
   numerics = None
-  if variant == "16-bit state and params":
+  if variant in ("16-bit state and params", "16-bit, round to nearest"):
+    rounding = "nearest" if variant.endswith("nearest") else "stochastic"
     rules = jmp_amp.flax.mixed_rules("bfloat16", param="bfloat16",
                                      norms="p=bf16,c=f32,o=f32")
-    tx = optax.chain(jmp_amp.optim.compress_state(tx),
-                     jmp_amp.optim.low_precision_params())
+    tx = optax.chain(jmp_amp.optim.compress_state(tx, rounding=rounding),
+                     jmp_amp.optim.low_precision_params(rounding))
   elif variant == "loss scaling":
     scale = jmp_amp.DynamicLossScale(INIT_SCALE)
   elif variant == "telemetry":
     numerics = "**"
   elif variant.startswith("fp8"):
     scaling = variant.removeprefix("fp8 ")
+    # A stack's first and last layers cannot stay bf16 alone: all FP8.
     rules = {"*": jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(
-        scaling=scaling, history_len=16 if scaling == "delayed" else 1))}
+        scaling=scaling, history_len=16 if scaling == "delayed" else 1),
+        keep_first_last=not scan_layers)}
   elif variant not in ("bf16", "by hand (plain adamw)"):
     raise ValueError(f"unknown variant {variant!r}")
   jmp_amp.flax.set_policies(model, rules, example_args=(tokens,))
@@ -752,76 +761,101 @@ def feature_compile_seconds(variant, target="cpu", **kwargs):
   return _cpu_seconds() - start
 
 
-def feature_worker(variant):
+def feature_worker(variant, scan_layers=False):
   """One variant's step compiled cold on the local GPU, in this fresh
   process: prints its wall and CPU seconds as one JSON line. A small GEMM is
   compiled and run first, so that the device's start-up (its runtime,
   cuBLAS, the autotuner) is not counted."""
   import gpu_check  # pylint: disable=import-outside-toplevel  # beside this script
   gpu_check.warm_up()
-  jitted, args = _feature_step(variant)
+  jitted, args = _feature_step(variant, scan_layers=scan_layers)
   wall, cpu = time.perf_counter(), _cpu_seconds()
   jitted.trace(*args).lower().compile()
   print(json.dumps({"variant": variant, "wall": time.perf_counter() - wall,
                     "cpu": _cpu_seconds() - cpu}), flush=True)
 
 
-def _feature_in_process(variant, timeout=600):
+def _feature_in_process(variant, scan_layers, timeout=600):
   """(wall, CPU) seconds of `feature_worker(variant)` in a process of its
   own: XLA:GPU keeps its GEMM autotuning for the life of a process, so only
   a fresh one compiles as a user's first run does."""
   import subprocess  # pylint: disable=import-outside-toplevel
   out = subprocess.run(
       [sys.executable, os.path.abspath(__file__), "--feature-worker",
-       variant], capture_output=True, text=True, timeout=timeout, check=True)
+       variant] + (["--scan-layers"] if scan_layers else []),
+      capture_output=True, text=True, timeout=timeout, check=True)
   record = json.loads(out.stdout.strip().splitlines()[-1])
   return record["wall"], record["cpu"]
 
 
-def run_features(rounds, target="cpu", partial=None):
+# The feature workloads: the GPT's 16 blocks unrolled, or stacked under
+# nnx.scan (how large models are compiled).
+FEATURE_WORKLOADS = {"gpt16-features": False, "gpt16-scanned-features": True}
+
+
+def run_features(rounds, target="cpu", partial=None,
+                 workload="gpt16-features"):
   """Each feature's whole-step compile time against the step without it
   (``target="gpu"``: wall seconds on the local GPU, each compile cold in a
-  process of its own, CPU seconds beside them). `partial`, if given, gets
-  the workload's report so far after each compile, so that a run stopped
-  part-way keeps what it measured."""
-  variants = sorted({v for pair in FEATURE_PAIRS.values() for v in pair})
+  process of its own, CPU seconds beside them), and each floor beside its
+  feature. `partial`, if given, gets the workload's report so far after
+  each compile, so that a run stopped part-way keeps what it measured."""
+  scan_layers = FEATURE_WORKLOADS[workload]
+  variants = sorted({v for pair in FEATURE_PAIRS.values() for v in pair}
+                    | set(FEATURE_FLOORS.values()))
   seconds = {name: [] for name in variants}
   cpu = {name: [] for name in variants} if target == "gpu" else None
+  report = lambda: _features_report(seconds, cpu, rounds, workload)
   for r in range(rounds):
     for name in variants[r % len(variants):] + variants[:r % len(variants)]:
       if target == "gpu":
-        wall, cpu_s = _feature_in_process(name)
+        wall, cpu_s = _feature_in_process(name, scan_layers)
         seconds[name].append(wall)
         cpu[name].append(cpu_s)
       else:
-        seconds[name].append(feature_compile_seconds(name, target))
+        seconds[name].append(feature_compile_seconds(
+            name, target, scan_layers=scan_layers))
       print(f"  {name:28s} {seconds[name][-1]:6.2f} s", flush=True)
       if partial is not None:
-        partial(_features_report(seconds, cpu, rounds))
-  report = _features_report(seconds, cpu, rounds)
-  for feature, pair in report["pairs"].items():
+        partial(report())
+  final = report()
+  for feature, pair in final["pairs"].items():
     print(f"features {feature:26s} {pair['ratio_best']:5.2f}x", flush=True)
-  return report
+  for feature, floor in final["floors"].items():
+    print(f"floor    {floor['variant']:26s} {floor['ratio_best']:5.2f}x",
+          flush=True)
+  return final
 
 
-def _features_report(seconds, cpu, rounds):
-  """The gpt16-features workload's report from the seconds measured so far
-  (a pair once both of its variants have been compiled)."""
+def _features_report(seconds, cpu, rounds, workload="gpt16-features"):
+  """A feature workload's report from the seconds measured so far (a pair,
+  or a floor, once both of its variants have been compiled)."""
   results = {name: {"seconds_best": min(t), "seconds_all": t}
              for name, t in seconds.items() if t}
   for name in results if cpu is not None else ():
     results[name]["cpu_seconds_all"] = cpu[name]
+  ratio = lambda a, b: (results[a]["seconds_best"]
+                        / results[b]["seconds_best"])
   pairs = {feature: {"with": with_, "without": without,
-                     "ratio_best": (results[with_]["seconds_best"]
-                                    / results[without]["seconds_best"]),
+                     "ratio_best": ratio(with_, without),
                      "limit": FEATURE_LIMITS[feature]}
            for feature, (with_, without) in FEATURE_PAIRS.items()
            if with_ in results and without in results}
-  return {"workload": "gpt16-features", "optimizer": "adamw",
-          "step": "GPT train step (jmp_amp.flax.make_train_step): 16 unscanned "
-                  "blocks, d_model 128, 4 heads, vocab 1024, batch 8 x 64 "
-                  "tokens, mixed bfloat16",
-          "rounds": rounds, "results": results, "pairs": pairs}
+  floors = {}
+  for feature, floor in FEATURE_FLOORS.items():
+    without = FEATURE_PAIRS[feature][1]
+    if floor in results and without in results:
+      floors[feature] = {"variant": floor, "without": without,
+                         "ratio_best": ratio(floor, without)}
+  blocks = ("16 blocks stacked by nnx.vmap and run under nnx.scan (FP8: "
+            "every layer, keep_first_last=False)"
+            if FEATURE_WORKLOADS[workload] else "16 unscanned blocks")
+  return {"workload": workload, "optimizer": "adamw",
+          "step": f"GPT train step (jmp_amp.flax.make_train_step): {blocks}, "
+                  "d_model 128, 4 heads, vocab 1024, batch 8 x 64 tokens, "
+                  "mixed bfloat16",
+          "rounds": rounds, "results": results, "pairs": pairs,
+          "floors": floors}
 
 
 def run_scanned(rounds, target="cpu", depths=(4, 24)):
@@ -892,9 +926,10 @@ def main(argv=None):
                   help="h100, compile-h100: XLA's default options (Triton "
                        "GEMMs) or cublas (Triton GEMMs off, labelled)")
   ap.add_argument("--feature-worker", help=argparse.SUPPRESS)
+  ap.add_argument("--scan-layers", action="store_true", help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.feature_worker:
-    feature_worker(a.feature_worker)
+    feature_worker(a.feature_worker, a.scan_layers)
     return 0
   skip = tuple(s for s in a.skip.split(",") if s)
   default = "adam20m,seed-cpu" if a.target == "cpu" else "adam20m,seed"
@@ -904,11 +939,11 @@ def main(argv=None):
   if a.target.startswith("compile"):
     device = {"compile-h100": "h100", "compile-gpu": "gpu"}.get(a.target,
                                                                "cpu")
-    whole_step = a.workloads in ("gpt16-features", "gpt-scanned")
+    whole_step = a.workloads in (*FEATURE_WORKLOADS, "gpt-scanned")
     if device == "gpu":
-      if a.workloads != "gpt16-features":
+      if a.workloads not in FEATURE_WORKLOADS:
         raise SystemExit("--target compile-gpu measures --workloads "
-                         "gpt16-features only")
+                         + " or ".join(FEATURE_WORKLOADS) + " only")
       report["env"]["device"] = jax.devices()[0].device_kind
     report["method"] = (
         "wall seconds of jax.jit(step).trace().lower().compile() of each "
@@ -930,11 +965,11 @@ def main(argv=None):
            else "rotating); ratio to bare optax taken within a round, median "
            "over rounds"))
     for w in (a.workloads or ",".join(COMPILE_CASES)).split(","):
-      if w == "gpt16-features":
+      if w in FEATURE_WORKLOADS:
         done = list(report["workloads"])
         report["workloads"].append(run_features(
             a.rounds, device, partial=lambda wl, done=done: write(
-                a.json, dict(report, workloads=done + [wl]))))
+                a.json, dict(report, workloads=done + [wl])), workload=w))
       elif w == "gpt-scanned":
         report["workloads"].append(run_scanned(a.rounds, device))
       else:

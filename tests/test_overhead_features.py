@@ -26,18 +26,34 @@ def test_a_pair_is_reported_once_both_of_its_variants_are_compiled(overhead):
   assert set(report["pairs"]) == {"telemetry"}  # loss scaling: not yet
   assert report["pairs"]["telemetry"]["ratio_best"] == pytest.approx(1.5)
   assert report["pairs"]["telemetry"]["limit"] == 1.3
+  assert report["floors"] == {}  # 16-bit state: neither side yet
   json.dumps(report)
+
+
+def test_a_floor_is_reported_against_its_features_baseline(overhead):
+  seconds = {"bf16": [10.0], "16-bit state and params": [20.0],
+             "16-bit, round to nearest": [11.0]}
+  report = overhead._features_report(seconds, None, rounds=1,
+                                     workload="gpt16-scanned-features")
+  floor = report["floors"]["16-bit state and params"]
+  assert floor == {"variant": "16-bit, round to nearest", "without": "bf16",
+                   "ratio_best": pytest.approx(1.1)}
+  assert report["pairs"]["16-bit state and params"]["ratio_best"] == 2.0
+  assert report["workload"] == "gpt16-scanned-features"
+  assert "nnx.scan" in report["step"]
 
 
 def test_each_compile_rewrites_the_partial_report(overhead, monkeypatch):
   times = iter(range(10, 100))
   monkeypatch.setattr(overhead, "feature_compile_seconds",
-                      lambda name, target: float(next(times)))
+                      lambda name, target, scan_layers: float(next(times)))
   seen = []
   report = overhead.run_features(1, "cpu", partial=seen.append)
-  variants = {v for pair in overhead.FEATURE_PAIRS.values() for v in pair}
+  variants = ({v for pair in overhead.FEATURE_PAIRS.values() for v in pair}
+              | set(overhead.FEATURE_FLOORS.values()))
   assert len(seen) == len(variants)
   assert [len(r["results"]) for r in seen] == list(range(1, len(variants) + 1))
   assert seen[-1] == report and set(report["pairs"]) == set(
       overhead.FEATURE_PAIRS)
+  assert set(report["floors"]) == set(overhead.FEATURE_FLOORS)
   assert "cpu_seconds_all" not in report["results"]["bf16"]
