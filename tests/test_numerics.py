@@ -289,6 +289,22 @@ def test_tensor_stats_against_numpy():
     jmp_amp.numerics.tensor_stats(jnp.arange(3))
 
 
+def test_tree_stats_of_tensors_alike_share_one_trace():
+  """Statistics of trees with the same shapes and dtypes are one jitted
+  call each, traced once: a model's repeated blocks reuse the trace (issue
+  #33)."""
+  from jmp_amp._src import tensor_stats as stats_lib  # pylint: disable=import-outside-toplevel
+  block = lambda v: (jnp.full((4, 3), v), jnp.full((3,), v))
+  tree = {"a": block(1.0), "b": block(2.0), "c": (jnp.ones((2, 2)),)}
+  jaxpr = jax.make_jaxpr(lambda t: {k: stats_lib.tree_stats(v)
+                                    for k, v in t.items()})(tree).jaxpr
+  calls = [e for e in jaxpr.eqns if e.params.get("name") == "_leaves_stats"]
+  assert len(calls) == 3
+  assert len({id(e.params["jaxpr"]) for e in calls}) == 2
+  s = jax.jit(lambda t: stats_lib.tree_stats(t["b"]))(tree)
+  assert float(s["max_abs"]) == 2.0 and float(s["zeros"]) == 0.0
+
+
 def test_tree_stats_fractions_are_of_all_the_elements():
   # A kernel of 99 zeros and 1 underflow, a bias of 3 normal values: the
   # fractions are of the 103 elements, whatever the leaves' order or count

@@ -134,10 +134,10 @@ def _round_with_seeds(x: jax.Array, seeds) -> jax.Array:
   """`stochastic_round` of float32 `x` with the bits of two uint32 seeds.
 
   All in uint32 arithmetic on the bits, with `lax` operations only: about 20
-  instructions per leaf, no nested jit (a jnp `isinf`/`copysign` version
-  took 50 and four nested calls, per leaf and per step, in a train step's
-  compile time; issue #33). Integer arithmetic also keeps subnormals, which
-  float operations on CPU may flush.
+  instructions per leaf (a jnp `isinf`/`copysign` version took 50, per leaf
+  and per step, in a train step's compile time; issue #33). Integer
+  arithmetic also keeps subnormals, which float operations on CPU may
+  flush.
   """
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   magnitude = bits & jnp.uint32(0x7FFFFFFF)
@@ -179,10 +179,13 @@ def _round_like(x: jax.Array, dtype, seeds, rounding: str) -> jax.Array:
   return x.astype(dtype)
 
 
-# `_round_like` compiled once per leaf shape: what init rounds outside a jit.
-# Op by op, each of a rounding's ~20 operations is compiled once per shape
-# (a 16-block GPT's Adam state: 4.9 s on a CPU, about 7 s on an H200); one
-# program for the whole state takes 1.8 s on a CPU, this 0.4 s (issue #33).
+# `_round_like` jitted: traced, and outside a jit compiled, once per leaf
+# shape. Init rounds outside a jit: op by op, each of a rounding's ~20
+# operations was compiled once per shape (a 16-block GPT's Adam state: 4.9 s
+# on a CPU, about 7 s on an H200); one program for the whole state takes
+# 1.8 s on a CPU, this 0.4 s. Inside a step the leaves of one shape share a
+# trace (tracing each again took that GPT's 16-bit step half a second), and
+# the call is inlined: the same program (issue #33).
 _round_once = jax.jit(_round_like, static_argnums=(1, 3))
 
 
@@ -301,16 +304,15 @@ def compress_state(inner: optax.GradientTransformation, *,
   key0 = _seed_key(seed, _STATE_STREAM, who)
   inner_update = optax.with_extra_args_support(inner).update
 
-  def compress(tree, seeds, round_leaf=_round_like):
+  def compress(tree, seeds):
     return jax.tree.map(
-        lambda x: round_leaf(x, jnp.bfloat16, seeds, rounding)
+        lambda x: _round_once(x, jnp.bfloat16, seeds, rounding)
         if _compressible(x) else x, tree)
 
   def init_fn(params):
     state = inner.init(_to_f32(params))
     return CompressedState(key=key0, inner_state=compress(
-        state, None if rounding == "nearest" else _next_seeds(key0)[1],
-        _round_once))
+        state, None if rounding == "nearest" else _next_seeds(key0)[1]))
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, CompressedState):
@@ -445,7 +447,7 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
       exact = p32 + u.astype(jnp.float32)
       if c is not None:
         exact = exact + c.astype(jnp.float32)
-      new = _round_like(exact, p.dtype, seeds, rounding)
+      new = _round_once(exact, p.dtype, seeds, rounding)
       if c is not None:
         new_comp.append((exact - new.astype(jnp.float32)).astype(c.dtype))
       out.append(new.astype(jnp.float32) - p32)

@@ -6,6 +6,7 @@ so a statistic costs one read of the tensor and one kernel.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -101,17 +102,31 @@ def tree_stats(tree: Any, dtype: Optional[Any] = None
                ) -> Optional[dict[str, jax.Array]]:
   """`tensor_stats` of the floating leaves of a pytree taken together (the
   fractions are of all their elements), or None if there are none."""
-  total, size = None, 0
-  for leaf in jax.tree_util.tree_leaves(tree):
-    if (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
-        and np.size(leaf)):
-      c = _counts(jax.lax.stop_gradient(jnp.asarray(leaf)), dtype)
-      size += int(np.size(leaf))
-      _check_size(size)
-      total = c if total is None else (
-          jnp.maximum(total[0], c[0]), *(t + n for t, n in zip(total[1:],
-                                                                  c[1:])))
-  return None if total is None else _normalise(total, size)
+  leaves = tuple(
+      jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)
+      if (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+          and np.size(leaf)))
+  if not leaves:
+    return None
+  _check_size(sum(int(np.size(leaf)) for leaf in leaves))
+  return _leaves_stats(leaves, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _leaves_stats(leaves: tuple[jax.Array, ...], dtype: Optional[Any]
+                  ) -> dict[str, jax.Array]:
+  """The statistics of `leaves` taken together, traced once per shapes and
+  dtypes: a model's repeated blocks reuse one trace, where tracing every
+  tensor's reduction and tail again took a GPT's telemetry step a second
+  (issue #33). Inside a step the call is inlined: the program is the same.
+  """
+  total = None
+  for leaf in leaves:
+    c = _counts(jax.lax.stop_gradient(leaf), dtype)
+    total = c if total is None else (
+        jnp.maximum(total[0], c[0]), *(t + n for t, n in zip(total[1:],
+                                                                c[1:])))
+  return _normalise(total, sum(leaf.size for leaf in leaves))
 
 
 def format_stats(stats: dict[str, dict[str, Any]], *, top: int = 0) -> str:
