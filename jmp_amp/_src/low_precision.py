@@ -184,8 +184,9 @@ def _round_like(x: jax.Array, dtype, seeds, rounding: str) -> jax.Array:
 # operations was compiled once per shape (a 16-block GPT's Adam state: 4.9 s
 # on a CPU, about 7 s on an H200); one program for the whole state takes
 # 1.8 s on a CPU, this 0.4 s. Inside a step the leaves of one shape share a
-# trace (tracing each again took that GPT's 16-bit step half a second), and
-# the call is inlined: the same program (issue #33).
+# trace (tracing each again cost that GPT's 16-bit step about two thirds of
+# a second of tracing and lowering), and the call is inlined: the same
+# program (issue #33).
 _round_once = jax.jit(_round_like, static_argnums=(1, 3))
 
 
