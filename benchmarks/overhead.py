@@ -54,11 +54,13 @@ Targets:
   the step without it (`FEATURE_PAIRS`), best of ``--rounds`` interleaved,
   and beside 16-bit state its floor, the same storage rounded to nearest
   (`FEATURE_FLOORS`); ``--workloads gpt16-scanned-features``: the same
-  with the blocks stacked under `nnx.scan`; ``--workloads gpt-scanned``: the bf16 step of the GPT with its blocks
-  under `nnx.scan` or unrolled, at 4 and 24 blocks.
+  with the blocks stacked under `nnx.scan`; ``--workloads gpt-scanned``:
+  the bf16 step of the GPT with its blocks under `nnx.scan` or unrolled, at
+  4 and 24 blocks.
   ``--target compile-gpu --workloads gpt16-features`` (or
-  ``gpt16-scanned-features``) compiles the feature pairs on the local GPU: wall seconds, each compile cold in a process of its
-  own (XLA:GPU keeps its GEMM autotuning for the life of a process).
+  ``gpt16-scanned-features``) compiles the feature pairs on the local GPU:
+  wall seconds, each compile cold in a process of its own (XLA:GPU keeps its
+  GEMM autotuning for the life of a process).
 
 Usage:
   python benchmarks/overhead.py --json benchmarks/results/overhead_cpu.json

@@ -249,7 +249,6 @@ def test_init_rounds_once_per_leaf_shape_and_as_under_jit(caplog):
     assert np.all((got == toward_zero) | (got == away)), name
 
 
-
 def _calls(jaxpr, name):
   """The jitted calls of function `name` at the top of `jaxpr`."""
   return [e for e in jaxpr.eqns if e.params.get("name") == name]
