@@ -93,13 +93,41 @@ def test_fp8_layers_are_named_in_the_lowered_program():
   layers = report.fp8_layers()
   assert sorted(layers) == sorted(FP8_LAYERS)
   # Forward, input gradient and weight gradient of each layer, each a dot
-  # on bf16 (dequantised) operands until XLA fuses the FP8 rounding in.
+  # of FP8 operands.
   for layer in FP8_LAYERS:
     assert sum(layers[layer].values()) == 3, (layer, layers[layer])
   # Not FP8: the first layer (forward and weight gradient: the input needs
   # no gradient), the last (three) and the two attention contractions
   # (three each).
   assert sum(r.fp8_layer is None for r in report) == 2 + 3 + 2 * 3
+
+
+@pytest.mark.parametrize("scaling", ["current", "rowwise"])
+def test_fp8_matmuls_of_one_signature_share_one_trace(scaling):
+  """Each FP8 matmul is one jitted call per signature, traced once: a
+  model's repeated layers reuse the trace (tracing each layer's again took a
+  16-block GPT's step half a second to a second; issue #33), and the
+  lowered program still names each call's layer."""
+  recipe = RECIPES[scaling]
+  # The first layer reads f32, the next two bf16 (the previous output), the
+  # last has another shape: three signatures.
+  ws = [jnp.ones((8, 8))] * 3 + [jnp.ones((8, 4))]
+
+  def loss(ws, x):
+    for i, w in enumerate(ws):
+      with jax.named_scope(f"fp8[l{i}]"):
+        x = jmp_amp.fp8.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                    recipe=recipe)
+    return jnp.sum(x.astype(jnp.float32))
+  x = jnp.ones((2, 8))
+  calls = [e for e in jax.make_jaxpr(loss)(ws, x).jaxpr.eqns
+           if "jaxpr" in e.params]
+  assert len(calls) == len(ws)
+  assert len({id(e.params["jaxpr"]) for e in calls}) == 3
+  layers = jmp_amp.matmul_report(jax.grad(loss), ws, x).fp8_layers()
+  assert sorted(layers) == ["l0", "l1", "l2", "l3"], layers
+  # The middle layers: forward, input and weight gradients.
+  assert all(sum(layers[l].values()) == 3 for l in ("l1", "l2")), layers
 
 
 def _untied_qdq(x, dtype=jnp.bfloat16):

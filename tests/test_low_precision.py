@@ -273,6 +273,7 @@ def test_leaves_of_one_shape_share_one_rounding_trace(chain):
   assert len(calls) == per_leaf * len(shapes)
   assert len({id(e.params["jaxpr"]) for e in calls}) == len(set(shapes))
 
+
 def ema_of_constant(rounding, steps=3000, beta=0.999):
   """nu of `steps` Adam updates with a constant gradient g: -> g**2."""
   opt = optim.compress_state(optax.scale_by_adam(b2=beta), rounding=rounding)

@@ -356,26 +356,30 @@ def report_from_stablehlo(module: Union[ir.Module, str]) -> MatmulReport:
            for op in ops if op.name == "func.func"}
   records: list[MatmulRecord] = []
 
-  def visit(block, func, stack):
+  # A callee's op names are relative to its call: joined to the call's, as
+  # XLA names the ops it inlines (a jitted function called from several
+  # layers keeps each call's scope, e.g. "fp8[<layer>]").
+  def visit(block, func, stack, prefix):
     for op in block.operations:
       op = op.operation
       if op.name == "func.call":
         callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
         if callee in funcs and callee not in stack:
-          visit(funcs[callee].regions[0].blocks[0], callee, stack + (callee,))
+          visit(funcs[callee].regions[0].blocks[0], callee, stack + (callee,),
+                _join(prefix, mlir_locations.location(op.location)[0]))
       elif op.name in ("stablehlo.dot_general", "stablehlo.dot",
                        "stablehlo.convolution") or fused_attention.mlir_target(op):
-        records.append(_mlir_record(op, func))
+        records.append(_mlir_record(op, func, prefix))
       for region in op.regions:
         for inner in region.blocks:
-          visit(inner, func, stack)
+          visit(inner, func, stack, prefix)
 
   # JAX's entry is "main"; otherwise the first public function (MLIR's
   # default visibility).
   public = [n for n, f in funcs.items() if "sym_visibility" not in f.attributes
             or ir.StringAttr(f.attributes["sym_visibility"]).value == "public"]
   for name in (["main"] if "main" in funcs else public[:1]):
-    visit(funcs[name].regions[0].blocks[0], name, (name,))
+    visit(funcs[name].regions[0].blocks[0], name, (name,), None)
   return MatmulReport(records, stage="lowered")
 
 
@@ -396,7 +400,11 @@ def _mlir_dtype(t: ir.Type) -> str:
       name, name.lower()))
 
 
-def _mlir_record(op, func: str) -> MatmulRecord:
+def _join(prefix: Optional[str], name: Optional[str]) -> Optional[str]:
+  return "/".join(n for n in (prefix, name) if n) or None
+
+
+def _mlir_record(op, func: str, prefix: Optional[str]) -> MatmulRecord:
   (lhs, lhs_dt), (rhs, rhs_dt) = (_mlir_array(v) for v in op.operands[:2])
   out, out_dt = _mlir_array(op.results[0])
   target = fused_attention.mlir_target(op)
@@ -417,8 +425,8 @@ def _mlir_record(op, func: str) -> MatmulRecord:
     flops = element_types.dot_flops(lhs, out, contracting)
   name, frames = mlir_locations.location(op.location)
   return MatmulRecord(kind, lhs_dt, rhs_dt, out_dt, lhs, rhs, out, flops,
-                      function=func, name=name, location=_pick_frame(frames),
-                      target=target)
+                      function=func, name=_join(prefix, name),
+                      location=_pick_frame(frames), target=target)
 
 
 # --------------------------------------------------------------------------
