@@ -1,5 +1,5 @@
-"""benchmarks/overhead.py's whole-step feature pairs (issue #33): the report
-a run writes, also part-way."""
+"""benchmarks/compile_time.py: the report a run of the whole-step feature
+pairs writes (issue #33), also part-way, and the workloads it refuses."""
 
 import json
 
@@ -9,14 +9,14 @@ import helpers
 
 
 @pytest.fixture(scope="module")
-def overhead():
-  return helpers.benchmark("overhead")
+def script():
+  return helpers.benchmark("compile_time")
 
 
-def test_a_pair_is_reported_once_both_of_its_variants_are_compiled(overhead):
+def test_a_pair_is_reported_once_both_of_its_variants_are_compiled(script):
   seconds = {"bf16": [10.0, 8.0], "telemetry": [12.0],
              "fp8 current": [], "by hand (plain adamw)": [9.0]}
-  report = overhead._features_report(
+  report = script._features_report(
       seconds, {"bf16": [40.0, 41.0], "telemetry": [50.0],
                 "fp8 current": [], "by hand (plain adamw)": [39.0]}, rounds=2)
   assert set(report["results"]) == {"bf16", "telemetry",
@@ -30,11 +30,11 @@ def test_a_pair_is_reported_once_both_of_its_variants_are_compiled(overhead):
   json.dumps(report)
 
 
-def test_a_floor_is_reported_against_its_features_baseline(overhead):
+def test_a_floor_is_reported_against_its_features_baseline(script):
   seconds = {"bf16": [10.0], "16-bit state and params": [20.0],
              "16-bit, round to nearest": [11.0]}
-  report = overhead._features_report(seconds, None, rounds=1,
-                                     workload="gpt16-scanned-features")
+  report = script._features_report(seconds, None, rounds=1,
+                                   workload="gpt16-scanned-features")
   floor = report["floors"]["16-bit state and params"]
   assert floor == {"variant": "16-bit, round to nearest", "without": "bf16",
                    "ratio_best": pytest.approx(1.1)}
@@ -43,17 +43,26 @@ def test_a_floor_is_reported_against_its_features_baseline(overhead):
   assert "nnx.scan" in report["step"]
 
 
-def test_each_compile_rewrites_the_partial_report(overhead, monkeypatch):
+def test_each_compile_rewrites_the_partial_report(script, monkeypatch):
   times = iter(range(10, 100))
-  monkeypatch.setattr(overhead, "feature_compile_seconds",
+  monkeypatch.setattr(script, "feature_compile_seconds",
                       lambda name, target, scan_layers: float(next(times)))
   seen = []
-  report = overhead.run_features(1, "cpu", partial=seen.append)
-  variants = ({v for pair in overhead.FEATURE_PAIRS.values() for v in pair}
-              | set(overhead.FEATURE_FLOORS.values()))
+  report = script.run_features(1, "cpu", partial=seen.append)
+  variants = ({v for pair in script.FEATURE_PAIRS.values() for v in pair}
+              | set(script.FEATURE_FLOORS.values()))
   assert len(seen) == len(variants)
   assert [len(r["results"]) for r in seen] == list(range(1, len(variants) + 1))
   assert seen[-1] == report and set(report["pairs"]) == set(
-      overhead.FEATURE_PAIRS)
-  assert set(report["floors"]) == set(overhead.FEATURE_FLOORS)
+      script.FEATURE_PAIRS)
+  assert set(report["floors"]) == set(script.FEATURE_FLOORS)
   assert "cpu_seconds_all" not in report["results"]["bf16"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--workloads", "gpt16"], "unknown workload 'gpt16'"),
+    (["--target", "gpu", "--workloads", "adam300"], "--target gpu measures"),
+])
+def test_a_workload_it_cannot_run_is_refused_by_name(script, argv, named):
+  with pytest.raises(SystemExit, match=named):
+    script.main(argv)
