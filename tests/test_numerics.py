@@ -289,6 +289,13 @@ def test_tensor_stats_against_numpy():
     jmp_amp.numerics.tensor_stats(jnp.arange(3))
 
 
+def test_tensor_stats_of_an_empty_tensor_are_zeros():
+  """No elements: no largest value, and fractions of 0 (not 0 / 0)."""
+  s = jmp_amp.numerics.tensor_stats(jnp.zeros((0, 3), jnp.bfloat16))
+  assert {k: float(v) for k, v in s.items()} == {
+      "max_abs": 0.0, "underflow": 0.0, "zeros": 0.0, "nonfinite": 0.0}
+
+
 def test_tree_stats_of_tensors_alike_share_one_trace():
   """Statistics of trees with the same shapes and dtypes are one jitted
   call each, traced once: a model's repeated blocks reuse the trace (issue

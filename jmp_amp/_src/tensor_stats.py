@@ -41,9 +41,8 @@ def tensor_stats(x: jax.Array, dtype: Optional[Any] = None
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"tensor_stats takes a floating array, got {x.dtype}")
-  size = int(np.prod(x.shape))
-  _check_size(size)
-  return _normalise(_counts(x, dtype), max(size, 1))
+  _check_size(x.size)
+  return _leaves_stats((x,), dtype)
 
 
 # The counts are uint32, exact to 2**32 - 1 elements. (float32 counts stop
@@ -127,7 +126,8 @@ def _leaves_stats(leaves: tuple[jax.Array, ...], dtype: Optional[Any]
     total = c if total is None else (
         jnp.maximum(total[0], c[0]), *(t + n for t, n in zip(total[1:],
                                                                 c[1:])))
-  return _normalise(total, sum(leaf.size for leaf in leaves))
+  # An empty tensor's fractions are 0, not 0 / 0.
+  return _normalise(total, max(sum(leaf.size for leaf in leaves), 1))
 
 
 def format_stats(stats: dict[str, dict[str, Any]], *, top: int = 0) -> str:
