@@ -42,7 +42,7 @@ def tensor_stats(x: jax.Array, dtype: Optional[Any] = None
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"tensor_stats takes a floating array, got {x.dtype}")
   _check_size(x.size)
-  return _leaves_stats((x,), dtype)
+  return _in_order(_leaves_stats((x,), dtype))
 
 
 # The counts are uint32, exact to 2**32 - 1 elements. (float32 counts stop
@@ -108,7 +108,12 @@ def tree_stats(tree: Any, dtype: Optional[Any] = None
   if not leaves:
     return None
   _check_size(sum(int(np.size(leaf)) for leaf in leaves))
-  return _leaves_stats(leaves, dtype)
+  return _in_order(_leaves_stats(leaves, dtype))
+
+
+def _in_order(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`stats` in `STAT_NAMES` order (a jitted call returns its dict sorted)."""
+  return {k: stats[k] for k in STAT_NAMES}
 
 
 @functools.partial(jax.jit, static_argnums=1)
