@@ -253,6 +253,39 @@ def test_telemetry_per_block_matches_the_unscanned_model(policy, rtol, atol):
               for i in range(LAYERS) for kind in ("out", "grad")}) == 2 * LAYERS
 
 
+def test_a_scanned_steps_telemetry_outputs_do_not_grow_with_its_blocks():
+  """A stack's statistics leave the step stacked, one array per stack and
+  kind, not one scalar per block (each a kernel of its own; issue #33); the
+  entries per block are read from them on lookup."""
+  def numerics(layers):  # traced only
+    model = gpt.GPT(**dict(CONFIG, num_layers=layers), scan_layers=True,
+                    rngs=nnx.Rngs(0))
+    jmp_amp.flax.set_policies(model, "mixed_bfloat16")
+    opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+        optax.adamw(1e-2), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+    step = jmp_amp.flax.make_train_step(loss_fn, numerics="**", jit=False)
+    graphdef, state = nnx.split((model, opt))
+
+    def run(state):
+      return step(*nnx.merge(graphdef, state), TOKENS)["numerics"]
+    return jax.eval_shape(run, state)
+
+  small, large = numerics(2), numerics(4)
+  block = lambda table, i: sorted(
+      p.removeprefix(f"blocks/{i}") for p in table
+      if p == f"blocks/{i}" or p.startswith(f"blocks/{i}/"))
+  assert block(large, 3) == block(large, 0) == block(small, 1)
+  assert "/attn/qkv" in block(large, 3)
+  assert len(large) - len(small) == 2 * len(block(small, 1))
+  # The same outputs at any depth: the stacks' arrays, a row per block.
+  assert len(jax.tree.leaves(large)) == len(jax.tree.leaves(small))
+  assert {x.shape[0] for x in jax.tree.leaves(large) if x.ndim} == {4}
+  entry = large["blocks/3/mlp/fc"]
+  assert sorted(entry) == ["grad", "out"]
+  assert {k: v.shape for k, v in entry["out"].items()} == {
+      "max_abs": (), "underflow": (), "zeros": (), "nonfinite": ()}
+
+
 def test_watch_selects_blocks_of_the_stack_by_their_unscanned_paths():
   plain, scanned = models()
   graphdef = nnx.graphdef(scanned)

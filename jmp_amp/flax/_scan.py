@@ -14,7 +14,8 @@ Path patterns (of policy rules and telemetry selections) match a stacked
 module's block paths, as they match the unscanned model's paths; its own path
 counts when written out exactly. Rules must decide every block of a stack
 alike (`resolve`); telemetry reports one entry per block, under its block
-path (`StackWatch`, `Stacks.select`).
+path (`StackWatch`, `Stacks.select`), read from the statistics stacked over
+the blocks (`StatsTable`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _fp8_op as fp8_op_lib
 from jmp_amp.flax import rules as rules_lib
+from jmp_amp.flax import _stats_table as table_lib
 
 _CONTAINERS = (nnx.List, nnx.Dict)
 _NORMS = tuple(c for c in rules_lib.NORM_CLASSES if issubclass(c, nnx.Module))
@@ -116,19 +118,23 @@ class Stacks:
             if whole or selector(path_str(b), module)]
 
   def stats(self, selector: Any, name: str, module: Any, values: list,
-            dtype: Any) -> dict[str, dict[str, jax.Array]]:
-    """``{key: tree_stats(values)}`` of what `selector` picks of the module
-    at `name`, per block in a stack (`values` then hold every block)."""
+            dtype: Any, kind: str) -> table_lib.StatsTable:
+    """``{key: {kind: tree_stats(values)}}`` of what `selector` picks of the
+    module at `name`, per block in a stack (`values` then hold every block;
+    the blocks' statistics stay stacked, see `StatsTable`)."""
     picked = self.select(selector, name, module)
     stats = lambda vs: stats_lib.tree_stats(vs, dtype)
     if not picked or picked[0][1] is None:
       s = stats(values)
-      return {name: s} if picked and s is not None else {}
+      return table_lib.StatsTable(
+          {name: {kind: s}} if picked and s is not None else {})
     for _ in picked[0][1]:  # one vmap per stacked axis
       stats = jax.vmap(stats)
     s = stats(values)
-    return {} if s is None else {
-        key: {k: v[idx] for k, v in s.items()} for key, idx in picked}
+    if s is None:
+      return table_lib.StatsTable()
+    rows = jnp.stack([s[k] for k in stats_lib.STAT_NAMES], -1)
+    return table_lib.StatsTable.stacked(kind, name, rows, picked)
 
   def candidates(self, modules: Sequence[tuple[tuple, Any]]
                  ) -> dict[str, Any]:
@@ -265,17 +271,18 @@ class StackWatch:
     unset = old_stats["nonfinite"][..., None] < 0  # the block's first call
     var.set_value(jnp.where(unset, row(new), row(merged)))
 
-  def close(self) -> dict[str, dict[str, jax.Array]]:
-    """The recorded rows by block path; removes the marks."""
-    out = {}
+  def close(self) -> table_lib.StatsTable:
+    """The recorded rows, ``{block path: {"out": stats}}``; removes the
+    marks."""
+    out = table_lib.StatsTable()
     for module, picked, initial in self.marked:
       var = vars(module).get(_STATS)
       if var is not None:
         delattr(module, _STATS)
         rows = var.get_value()
         if rows is not initial:  # the module was called
-          out.update((key, dict(zip(stats_lib.STAT_NAMES, rows[idx])))
-                     for key, idx in picked)
+          out |= table_lib.StatsTable.stacked("out", vars(module)[_MARK],
+                                              rows, picked)
       if _MARK in vars(module):
         delattr(module, _MARK)
     return out

@@ -105,20 +105,10 @@ def step_metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
   return metrics
 
 
-def grad_stats(model: Any, grads: Any, numerics: Any) -> dict:
+def grad_stats(model: Any, grads: Any, numerics: Any):
+  """The selected modules' gradient statistics, a `StatsTable`."""
   # `watch` has already warned about a select that matches no module.
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select",
                             UserWarning)
-    return numerics_lib.grad_stats(model, grads, numerics)
-
-
-def numerics_metrics(outputs: dict, grads: dict) -> dict:
-  merged = {}  # (jit returns it with its keys sorted.)
-  for path in list(outputs) + [p for p in grads if p not in outputs]:
-    merged[path] = {}
-    if path in outputs:
-      merged[path]["out"] = outputs[path]
-    if path in grads:
-      merged[path]["grad"] = grads[path]
-  return merged
+    return numerics_lib.grad_table(model, grads, numerics)

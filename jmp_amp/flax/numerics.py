@@ -65,6 +65,7 @@ from jmp_amp.flax import _calls as calls_lib
 from jmp_amp.flax import _fp8 as fp8_layers
 from jmp_amp.flax import _scan as scan_lib
 from jmp_amp.flax import _select as select_lib
+from jmp_amp.flax import _stats_table as table_lib
 from jmp_amp.flax import nnx as nnx_lib
 from jmp_amp.flax import rules as rules_lib
 
@@ -81,9 +82,17 @@ def _selector(select: Select) -> Optional[_Selector]:
 class Seen:
   """What `watch` recorded: ``outputs``, ``{path: stats}``."""
 
-  def __init__(self, select: Optional[_Selector]):
+  def __init__(self, select: Optional[_Selector], split_stacks: bool = True):
     self.select = select
     self.outputs: dict[str, dict[str, jax.Array]] = {}
+    # False: a stack's blocks stay in `stacked`, not in `outputs`.
+    self.split_stacks = split_stacks
+    self.stacked = table_lib.StatsTable()
+
+  def table(self) -> table_lib.StatsTable:
+    """Everything recorded, ``{path: {"out": stats}}``."""
+    return table_lib.StatsTable(
+        {path: {"out": s} for path, s in self.outputs.items()}) | self.stacked
 
   def record(self, path: str, module: Any, out: Any) -> None:
     if scan_lib.StackWatch.path(module) is not None:
@@ -156,7 +165,19 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
     >>> sorted(seen.outputs[""])
     ['max_abs', 'nonfinite', 'underflow', 'zeros']
   """
-  seen = Seen(_selector(select))
+  with _watch(model, Seen(_selector(select))) as seen:
+    yield seen
+
+
+def watch_table(model: Optional[nnx.Module], select: Select
+                ) -> contextlib.AbstractContextManager[Seen]:
+  """`watch`, for a train step: a stack's blocks stay stacked in the `Seen`
+  (read them with `Seen.table`)."""
+  return _watch(model, Seen(_selector(select), split_stacks=False))
+
+
+@contextlib.contextmanager
+def _watch(model: Optional[nnx.Module], seen: Seen) -> Iterator[Seen]:
   if model is None:
     depth = [0]
     called: dict[str, Any] = {}
@@ -200,7 +221,11 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
     yield seen
   finally:
     restore()
-    seen.outputs.update(stacks.close())
+    stacked = stacks.close()
+    if seen.split_stacks:
+      seen.outputs.update((path, e["out"]) for path, e in stacked.items())
+    else:
+      seen.stacked = stacked
 
 
 def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
@@ -228,6 +253,13 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
   Returns:
     ``{module path: stats}``.
   """
+  return {path: e["grad"] for path, e in grad_table(model, grads,
+                                                    select).items()}
+
+
+def grad_table(model: Optional[nnx.Module], grads: Any, select: Select
+               ) -> table_lib.StatsTable:
+  """`grad_stats` as ``{path: {"grad": stats}}``, a stack's blocks stacked."""
   selector = _Selector(select if select is not None else [])
   if model is not None:
     pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)]
@@ -250,17 +282,16 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
       grouped.setdefault(owner, []).append(value)
   selector.warn_unmatched(
       candidates, "the model" if model is None else type(model).__name__)
-  out = {}
+  out = table_lib.StatsTable()
   for owner, values in grouped.items():
     dtype = getattr(policies.get(owner), "compute_dtype", None)
-    out.update(stacks.stats(selector, owner, modules.get(owner), values,
-                            dtype))
+    out |= stacks.stats(selector, owner, modules.get(owner), values, dtype,
+                        "grad")
   return out
 
 
-def fp8_stats(model: nnx.Module, select: Select, into: dict[str, Any]
-              ) -> dict[str, dict[str, Any]]:
-  """`into`'s entries for the selected FP8 modules, with an ``"fp8"`` kind.
+def fp8_stats(model: nnx.Module, select: Select) -> table_lib.StatsTable:
+  """The selected FP8 modules' entries of kind ``"fp8"``.
 
   ``{"amax_lhs", "amax_rhs", "amax_grad"}``: the newest amax of the
   operands and of the output gradient (from the module's amax histories),
@@ -289,8 +320,8 @@ def fp8_stats(model: nnx.Module, select: Select, into: dict[str, Any]
         fp8[f"amax_{name}"] = history[0]
         fp8[f"scale_{name}"] = fp8_core.compute_scale(
             jnp.max(history), dtype, recipe.margin)
-      out[key] = {**into.get(key, {}), "fp8": fp8}
-  return out
+      out[key] = {"fp8": fp8}
+  return table_lib.StatsTable(out)
 
 
 def _owner(path: str, modules: dict[str, Any]) -> str:

@@ -162,10 +162,10 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     numerics: None, or the modules (path globs such as ``"blocks/*/attn"``,
       ``"**"`` for all, module classes, or a list of them) whose output and
       param-gradient statistics the step computes on device and returns as
-      ``metrics["numerics"]``, ``{path: {"out": stats, "grad": stats}}``
-      (see `jmp_amp.flax.numerics`; print with
-      `jmp_amp.numerics.format_stats`). None compiles exactly the step
-      without it.
+      ``metrics["numerics"]``, a read-only mapping (a pytree)
+      ``{path: {"out": stats, "grad": stats}}`` (see
+      `jmp_amp.flax.numerics`; print with `jmp_amp.numerics.format_stats`).
+      None compiles exactly the step without it.
     on_nonfinite: None, or a callable given the report of
       `jmp_amp.numerics.find_nonfinite` (with ``step``, ``loss_scale`` and
       ``repeats`` filled in) for every distinct non-finite event (e.g.
@@ -209,9 +209,9 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       if numerics is None:
         loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
         return loss, aux, nnx.split(m, diff, ...)[2]
-      with numerics_lib.watch(m, numerics) as seen:
+      with numerics_lib.watch_table(m, numerics) as seen:
         loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
-      return loss, (aux, seen.outputs), nnx.split(m, diff, ...)[2]
+      return loss, (aux, seen.table()), nnx.split(m, diff, ...)[2]
 
     fn = hook(forward) if hook is not None else forward
 
@@ -232,9 +232,8 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     metrics = _step_parts.step_metrics(_step_checks.optax_state(optimizer),
                                        loss, aux, has_aux)
     if numerics is not None:
-      metrics["numerics"] = _step_parts.numerics_metrics(outputs, grad_stats)
-      metrics["numerics"].update(numerics_lib.fp8_stats(
-          model, numerics, metrics["numerics"]))
+      metrics["numerics"] = (outputs | grad_stats
+                             | numerics_lib.fp8_stats(model, numerics))
 
     new_rest = _step_parts.like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
@@ -389,9 +388,9 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
       if numerics is None:
         loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
         return loss, aux, box
-      with numerics_lib.watch(None, numerics) as seen:
+      with numerics_lib.watch_table(None, numerics) as seen:
         loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
-      return loss, (aux, seen.outputs), box
+      return loss, (aux, seen.table()), box
 
     fn = hook(forward) if hook is not None else forward
 
@@ -408,7 +407,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     state = state.apply_gradients(grads=grads)
     metrics = _step_parts.step_metrics(state.opt_state, loss, aux, has_aux)
     if numerics is not None:
-      metrics["numerics"] = _step_parts.numerics_metrics(outputs, grad_stats)
+      metrics["numerics"] = outputs | grad_stats
     new_cols = _step_parts.like(dict(new_cols), cols)
     if revert_on_skip:
       new_cols = where_tree(metrics["grads_finite"], new_cols, cols)

@@ -1,0 +1,94 @@
+"""The telemetry of a train step: ``{module path: {kind: stats}}``.
+
+A module of a scanned stack reports one entry per block. Inside the step its
+statistics stay stacked, one array per stack and kind whose rows are the
+blocks (in `STAT_NAMES` order), and a block's entry is read from its row when
+it is looked up. Slicing every block's scalars out inside the step made them
+the program's outputs one by one: on a 16-block scanned GPT with every module
+watched, 960 scalars, each a kernel of its own, which took about a third of
+the telemetry step's compile time on XLA:CPU (issue #33).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional
+
+import jax
+
+from jmp_amp._src import tensor_stats as stats_lib
+
+# A stacked entry: (module path, kind, stack name, block index).
+Ref = tuple[str, str, str, tuple[int, ...]]
+
+
+@jax.tree_util.register_pytree_node_class
+class StatsTable(Mapping):
+  """A read-only mapping ``{module path: {kind: stats}}``, a pytree.
+
+  ``kind`` is ``"out"``, ``"grad"`` or ``"fp8"``; ``stats`` a dict of
+  scalars. Paths and kinds come sorted, as a jitted step returns a dict.
+  The entries of a stack's blocks are read from its stacked statistics on
+  lookup (an indexing op per statistic; on host values, after
+  ``jax.device_get``, a NumPy index; under ``jax.eval_shape``, their shapes).
+  """
+
+  def __init__(self, entries: Optional[dict[str, dict[str, Any]]] = None,
+               stacks: Optional[dict[str, Any]] = None,
+               refs: tuple[Ref, ...] = ()):
+    self._entries = {} if entries is None else entries
+    self._stacks = {} if stacks is None else stacks
+    self._refs = tuple(refs)
+
+  @classmethod
+  def stacked(cls, kind: str, name: str, rows: Any,
+              picked: list[tuple[str, tuple[int, ...]]]) -> "StatsTable":
+    """The entries ``(block path, block index)`` of `picked`, of `kind`,
+    read from `rows` (``[*blocks, len(STAT_NAMES)]``)."""
+    stack = f"{kind}:{name}"
+    return cls({}, {stack: rows},
+               tuple((path, kind, stack, idx) for path, idx in picked))
+
+  def __or__(self, other: "StatsTable") -> "StatsTable":
+    entries = dict(self._entries)
+    for path, kinds in other._entries.items():
+      entries[path] = {**entries.get(path, {}), **kinds}
+    return StatsTable(entries, {**self._stacks, **other._stacks},
+                      self._refs + other._refs)
+
+  def _paths(self) -> list[str]:
+    return sorted(set(self._entries) | {r[0] for r in self._refs})
+
+  def __getitem__(self, path: str) -> dict[str, Any]:
+    entry = dict(self._entries.get(path, {}))
+    for ref_path, kind, stack, idx in self._refs:
+      if ref_path == path:
+        entry[kind] = {name: _row(self._stacks[stack], idx + (i,))
+                       for i, name in enumerate(stats_lib.STAT_NAMES)}
+    if not entry:
+      raise KeyError(path)
+    return {kind: entry[kind] for kind in sorted(entry)}
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._paths())
+
+  def __len__(self) -> int:
+    return len(self._paths())
+
+  def __repr__(self) -> str:
+    return f"StatsTable({dict(self.items())!r})"
+
+  def tree_flatten(self):
+    return (self._entries, self._stacks), self._refs
+
+  @classmethod
+  def tree_unflatten(cls, refs, children):
+    return cls(*children, refs)
+
+
+def _row(rows: Any, idx: tuple[int, ...]) -> Any:
+  """``rows[idx]``; of a `jax.ShapeDtypeStruct` (`jax.eval_shape`'s
+  output), its shape and dtype."""
+  if isinstance(rows, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(rows.shape[len(idx):], rows.dtype)
+  return rows[idx]
