@@ -253,14 +253,18 @@ def test_telemetry_per_block_matches_the_unscanned_model(policy, rtol, atol):
               for i in range(LAYERS) for kind in ("out", "grad")}) == 2 * LAYERS
 
 
-def test_a_scanned_steps_telemetry_outputs_do_not_grow_with_its_blocks():
+@pytest.mark.parametrize("policy", [
+    "mixed_bfloat16",
+    jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(), keep_first_last=False)],
+    ids=["bf16", "fp8"])
+def test_a_scanned_steps_telemetry_outputs_do_not_grow_with_its_blocks(policy):
   """A stack's statistics leave the step stacked, one array per stack and
   kind, not one scalar per block (each a kernel of its own; issue #33); the
   entries per block are read from them on lookup."""
   def numerics(layers):  # traced only
     model = gpt.GPT(**dict(CONFIG, num_layers=layers), scan_layers=True,
                     rngs=nnx.Rngs(0))
-    jmp_amp.flax.set_policies(model, "mixed_bfloat16")
+    jmp_amp.flax.set_policies(model, {"*": policy})
     opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
         optax.adamw(1e-2), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
     step = jmp_amp.flax.make_train_step(loss_fn, numerics="**", jit=False)
@@ -281,9 +285,14 @@ def test_a_scanned_steps_telemetry_outputs_do_not_grow_with_its_blocks():
   assert len(jax.tree.leaves(large)) == len(jax.tree.leaves(small))
   assert {x.shape[0] for x in jax.tree.leaves(large) if x.ndim} == {4}
   entry = large["blocks/3/mlp/fc"]
-  assert sorted(entry) == ["grad", "out"]
+  fp8 = isinstance(policy, jmp_amp.flax.fp8.FP8Policy)
+  assert sorted(entry) == ["fp8", "grad", "out"][not fp8:]
   assert {k: v.shape for k, v in entry["out"].items()} == {
       "max_abs": (), "underflow": (), "zeros": (), "nonfinite": ()}
+  if fp8:
+    assert {k: v.shape for k, v in entry["fp8"].items()} == {
+        f"{s}_{x}": () for s in ("amax", "scale") for x in ("lhs", "rhs",
+                                                            "grad")}
 
 
 def test_watch_selects_blocks_of_the_stack_by_their_unscanned_paths():

@@ -134,7 +134,8 @@ class Stacks:
     if s is None:
       return table_lib.StatsTable()
     rows = jnp.stack([s[k] for k in stats_lib.STAT_NAMES], -1)
-    return table_lib.StatsTable.stacked(kind, name, rows, picked)
+    return table_lib.StatsTable.stacked(kind, name, rows,
+                                        stats_lib.STAT_NAMES, picked)
 
   def candidates(self, modules: Sequence[tuple[tuple, Any]]
                  ) -> dict[str, Any]:
@@ -281,8 +282,8 @@ class StackWatch:
         delattr(module, _STATS)
         rows = var.get_value()
         if rows is not initial:  # the module was called
-          out |= table_lib.StatsTable.stacked("out", vars(module)[_MARK],
-                                              rows, picked)
+          out |= table_lib.StatsTable.stacked(
+              "out", vars(module)[_MARK], rows, stats_lib.STAT_NAMES, picked)
       if _MARK in vars(module):
         delattr(module, _MARK)
     return out

@@ -2,8 +2,7 @@
 
 A module of a scanned stack reports one entry per block. Inside the step its
 statistics stay stacked, one array per stack and kind whose rows are the
-blocks (in `STAT_NAMES` order), and a block's entry is read from its row when
-it is looked up. Slicing every block's scalars out inside the step made them
+blocks, and a block's entry is read from its row when it is looked up. Slicing every block's scalars out inside the step made them
 the program's outputs one by one: on a 16-block scanned GPT with every module
 watched, 960 scalars, each a kernel of its own, which took about a third of
 the telemetry step's compile time on XLA:CPU (issue #33).
@@ -12,14 +11,15 @@ the telemetry step's compile time on XLA:CPU (issue #33).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 
-from jmp_amp._src import tensor_stats as stats_lib
 
 # A stacked entry: (module path, kind, stack name, block index).
 Ref = tuple[str, str, str, tuple[int, ...]]
+# A stack's statistic names, one per column of its rows: (stack, names).
+Names = tuple[str, tuple[str, ...]]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -35,36 +35,39 @@ class StatsTable(Mapping):
 
   def __init__(self, entries: Optional[dict[str, dict[str, Any]]] = None,
                stacks: Optional[dict[str, Any]] = None,
-               refs: tuple[Ref, ...] = ()):
+               refs: tuple[Ref, ...] = (), names: tuple[Names, ...] = ()):
     self._entries = {} if entries is None else entries
     self._stacks = {} if stacks is None else stacks
     self._refs = tuple(refs)
+    self._names = tuple(names)
 
   @classmethod
-  def stacked(cls, kind: str, name: str, rows: Any,
+  def stacked(cls, kind: str, name: str, rows: Any, names: Sequence[str],
               picked: list[tuple[str, tuple[int, ...]]]) -> "StatsTable":
     """The entries ``(block path, block index)`` of `picked`, of `kind`,
-    read from `rows` (``[*blocks, len(STAT_NAMES)]``)."""
+    read from `rows` (``[*blocks, len(names)]``) of the stack `name`."""
     stack = f"{kind}:{name}"
     return cls({}, {stack: rows},
-               tuple((path, kind, stack, idx) for path, idx in picked))
+               tuple((path, kind, stack, idx) for path, idx in picked),
+               ((stack, tuple(names)),))
 
   def __or__(self, other: "StatsTable") -> "StatsTable":
     entries = dict(self._entries)
     for path, kinds in other._entries.items():
       entries[path] = {**entries.get(path, {}), **kinds}
     return StatsTable(entries, {**self._stacks, **other._stacks},
-                      self._refs + other._refs)
+                      self._refs + other._refs, self._names + other._names)
 
   def _paths(self) -> list[str]:
     return sorted(set(self._entries) | {r[0] for r in self._refs})
 
   def __getitem__(self, path: str) -> dict[str, Any]:
     entry = dict(self._entries.get(path, {}))
+    names = dict(self._names)
     for ref_path, kind, stack, idx in self._refs:
       if ref_path == path:
         entry[kind] = {name: _row(self._stacks[stack], idx + (i,))
-                       for i, name in enumerate(stats_lib.STAT_NAMES)}
+                       for i, name in enumerate(names[stack])}
     if not entry:
       raise KeyError(path)
     return {kind: entry[kind] for kind in sorted(entry)}
@@ -79,11 +82,11 @@ class StatsTable(Mapping):
     return f"StatsTable({dict(self.items())!r})"
 
   def tree_flatten(self):
-    return (self._entries, self._stacks), self._refs
+    return (self._entries, self._stacks), (self._refs, self._names)
 
   @classmethod
-  def tree_unflatten(cls, refs, children):
-    return cls(*children, refs)
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, *aux)
 
 
 def _row(rows: Any, idx: tuple[int, ...]) -> Any:

@@ -304,24 +304,25 @@ def fp8_stats(model: nnx.Module, select: Select) -> table_lib.StatsTable:
   modules = {scan_lib.path_str(p): m for p, m in pairs}
   stacks = scan_lib.Stacks.find(pairs)  # a stacked module: one per block
   policies = nnx_lib.get_policies(model)
-  out = {}
-  for path, stacked in fp8_layers.histories(model).items():
+  out = table_lib.StatsTable()
+  for path, state in fp8_layers.histories(model).items():
     recipe = getattr(policies.get(path), "recipe", None)
-    if recipe is None:
+    picked = stacks.select(selector, path, modules.get(path))
+    if recipe is None or not picked:
       continue
-    for key, idx in stacks.select(selector, path, modules.get(path)):
-      state = stacked if idx is None else jax.tree.map(lambda h: h[idx],
-                                                       stacked)
-      fp8 = {}
-      for name, dtype in (("lhs", recipe.fwd_dtype),
-                          ("rhs", recipe.fwd_dtype),
-                          ("grad", recipe.bwd_dtype)):
-        history = getattr(state, name)
-        fp8[f"amax_{name}"] = history[0]
-        fp8[f"scale_{name}"] = fp8_core.compute_scale(
-            jnp.max(history), dtype, recipe.margin)
-      out[key] = {"fp8": fp8}
-  return table_lib.StatsTable(out)
+    fp8 = {}  # In a stack, of every block: the histories' leading axes.
+    for name, dtype in (("lhs", recipe.fwd_dtype),
+                        ("rhs", recipe.fwd_dtype),
+                        ("grad", recipe.bwd_dtype)):
+      history = getattr(state, name)  # the newest amax first
+      fp8[f"amax_{name}"] = history[..., 0]
+      fp8[f"scale_{name}"] = fp8_core.compute_scale(
+          jnp.max(history, axis=-1), dtype, recipe.margin)
+    out |= (table_lib.StatsTable({path: {"fp8": fp8}})
+            if picked[0][1] is None else table_lib.StatsTable.stacked(
+                "fp8", path, jnp.stack(list(fp8.values()), -1), list(fp8),
+                picked))
+  return out
 
 
 def _owner(path: str, modules: dict[str, Any]) -> str:
