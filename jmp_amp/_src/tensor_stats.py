@@ -7,6 +7,7 @@ so a statistic costs one read of the tensor and one kernel.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Optional
 
 import jax
@@ -78,12 +79,22 @@ def _counts(x: jax.Array, dtype: Optional[Any]) -> tuple[jax.Array, ...]:
       tuple(range(x.ndim))))
 
 
-def _normalise(counts: tuple[jax.Array, ...], size: int
-               ) -> dict[str, jax.Array]:
-  max_abs, underflow, zeros, nonfinite = counts
-  f32 = lambda n: n.astype(jnp.float32)
-  return {"max_abs": max_abs, "underflow": f32(underflow) / size,
-          "zeros": f32(zeros) / size, "nonfinite": f32(nonfinite)}
+def normalise(counts: dict[str, tuple[Any, ...]], size: int
+              ) -> dict[str, Any]:
+  """The statistics of `size` elements from their `tree_counts`, the
+  leaves' counts combined (device or host values: NumPy's uint32 and
+  float32 ops are XLA's, so the bits are the same). An empty tree's
+  fractions are 0, not 0 / 0."""
+  xp = jnp if isinstance(counts["max_abs"][0], jax.Array) else np
+  total = {name: functools.reduce(xp.maximum if name == "max_abs"
+                                  else operator.add, per_leaf)
+           for name, per_leaf in counts.items()}
+  f32 = lambda n: n.astype(np.float32)
+  size = np.float32(max(size, 1))
+  return {"max_abs": total["max_abs"],
+          "underflow": f32(total["underflow"]) / size,
+          "zeros": f32(total["zeros"]) / size,
+          "nonfinite": f32(total["nonfinite"])}
 
 
 def merge_stats(a: dict[str, jax.Array], b: dict[str, jax.Array]
@@ -101,14 +112,33 @@ def tree_stats(tree: Any, dtype: Optional[Any] = None
                ) -> Optional[dict[str, jax.Array]]:
   """`tensor_stats` of the floating leaves of a pytree taken together (the
   fractions are of all their elements), or None if there are none."""
-  leaves = tuple(
-      jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)
-      if (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
-          and np.size(leaf)))
+  leaves = _floating_leaves(tree)
   if not leaves:
     return None
   _check_size(sum(int(np.size(leaf)) for leaf in leaves))
   return _in_order(_leaves_stats(leaves, dtype))
+
+
+def tree_counts(tree: Any, dtype: Optional[Any] = None
+                ) -> Optional[tuple[dict[str, jax.Array], int]]:
+  """``(counts, size)``: `tree_stats` before `normalise`, each statistic's
+  value per leaf, the counts exact uint32 (a train step returns these and
+  its telemetry combines and normalises them when read: a module's
+  statistics are then its leaves' reductions alone, without a tail of
+  scalar kernels; issue #33), or None."""
+  leaves = _floating_leaves(tree)
+  if not leaves:
+    return None
+  size = sum(int(np.size(leaf)) for leaf in leaves)
+  _check_size(size)
+  return _in_order(_leaves_counts(leaves, dtype)), size
+
+
+def _floating_leaves(tree: Any) -> tuple[jax.Array, ...]:
+  return tuple(
+      jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)
+      if (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+          and np.size(leaf)))
 
 
 def _in_order(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -117,22 +147,24 @@ def _in_order(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=1)
+def _leaves_counts(leaves: tuple[jax.Array, ...], dtype: Optional[Any]
+                   ) -> dict[str, tuple[jax.Array, ...]]:
+  """Each leaf's counts (per statistic, a tuple over `leaves`), traced once
+  per shapes and dtypes: a model's repeated blocks reuse one trace (tracing
+  every tensor's reduction and tail again cost a 16-block GPT's telemetry
+  step about two thirds of a second of tracing and lowering; issue #33).
+  Inside a step the call is inlined: the program is the same.
+  """
+  per_leaf = [_counts(jax.lax.stop_gradient(leaf), dtype) for leaf in leaves]
+  return dict(zip(STAT_NAMES, zip(*per_leaf)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
 def _leaves_stats(leaves: tuple[jax.Array, ...], dtype: Optional[Any]
                   ) -> dict[str, jax.Array]:
-  """The statistics of `leaves` taken together, traced once per shapes and
-  dtypes: a model's repeated blocks reuse one trace (tracing every tensor's
-  reduction and tail again cost a 16-block GPT's telemetry step about two
-  thirds of a second of tracing and lowering; issue #33). Inside a step the
-  call is inlined: the program is the same.
-  """
-  total = None
-  for leaf in leaves:
-    c = _counts(jax.lax.stop_gradient(leaf), dtype)
-    total = c if total is None else (
-        jnp.maximum(total[0], c[0]), *(t + n for t, n in zip(total[1:],
-                                                                c[1:])))
-  # An empty tensor's fractions are 0, not 0 / 0.
-  return _normalise(total, max(sum(leaf.size for leaf in leaves), 1))
+  """`normalise` of `_leaves_counts`, one jitted call."""
+  return normalise(_leaves_counts(leaves, dtype),
+                   sum(leaf.size for leaf in leaves))
 
 
 def format_stats(stats: dict[str, dict[str, Any]], *, top: int = 0) -> str:

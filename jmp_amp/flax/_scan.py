@@ -123,11 +123,11 @@ class Stacks:
     module at `name`, per block in a stack (`values` then hold every block;
     the blocks' statistics stay stacked, see `StatsTable`)."""
     picked = self.select(selector, name, module)
-    stats = lambda vs: stats_lib.tree_stats(vs, dtype)
     if not picked or picked[0][1] is None:
-      s = stats(values)
-      return table_lib.StatsTable(
-          {name: {kind: s}} if picked and s is not None else {})
+      counts = stats_lib.tree_counts(values, dtype) if picked else None
+      return (table_lib.StatsTable() if counts is None else
+              table_lib.StatsTable.counted(name, kind, *counts))
+    stats = lambda vs: stats_lib.tree_stats(vs, dtype)
     for _ in picked[0][1]:  # one vmap per stacked axis
       stats = jax.vmap(stats)
     s = stats(values)

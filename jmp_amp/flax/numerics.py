@@ -82,28 +82,39 @@ def _selector(select: Select) -> Optional[_Selector]:
 class Seen:
   """What `watch` recorded: ``outputs``, ``{path: stats}``."""
 
-  def __init__(self, select: Optional[_Selector], split_stacks: bool = True):
+  def __init__(self, select: Optional[_Selector]):
     self.select = select
-    self.outputs: dict[str, dict[str, jax.Array]] = {}
-    # False: a stack's blocks stay in `stacked`, not in `outputs`.
-    self.split_stacks = split_stacks
+    # path -> the `tree_counts` of each call; the stacks' blocks (`watch`
+    # fills them in when it ends).
+    self.calls: dict[str, list[tuple[dict[str, jax.Array], int]]] = {}
     self.stacked = table_lib.StatsTable()
 
+  @property
+  def outputs(self) -> dict[str, dict[str, jax.Array]]:
+    """``{path: stats}`` (each read is arrays of the trace)."""
+    return {path: e["out"] for path, e in self.table().items()}
+
   def table(self) -> table_lib.StatsTable:
-    """Everything recorded, ``{path: {"out": stats}}``."""
-    return table_lib.StatsTable(
-        {path: {"out": s} for path, s in self.outputs.items()}) | self.stacked
+    """Everything recorded, ``{path: {"out": stats}}``: a module called
+    once keeps its counts, normalised when its entry is read."""
+    out = self.stacked
+    for path, calls in self.calls.items():
+      if len(calls) == 1:
+        out |= table_lib.StatsTable.counted(path, "out", *calls[0])
+      else:  # merged call by call, as the statistics are
+        out |= table_lib.StatsTable({path: {"out": functools.reduce(
+            stats_lib.merge_stats,
+            [stats_lib.normalise(*call) for call in calls])}})
+    return out
 
   def record(self, path: str, module: Any, out: Any) -> None:
     if scan_lib.StackWatch.path(module) is not None:
       return scan_lib.StackWatch.record(module, out)  # a block of a stack
     if self.select is None or not self.select(path, module):
       return
-    s = stats_lib.tree_stats(out)
-    if s is None:
-      return
-    old = self.outputs.get(path)
-    self.outputs[path] = s if old is None else stats_lib.merge_stats(old, s)
+    counts = stats_lib.tree_counts(out)
+    if counts is not None:
+      self.calls.setdefault(path, []).append(counts)
 
 
 def _nnx_hook(paths: dict[int, tuple[str, Any]], seen: Seen, stacked: bool):
@@ -165,19 +176,7 @@ def watch(model: Optional[nnx.Module] = None, select: Select = None
     >>> sorted(seen.outputs[""])
     ['max_abs', 'nonfinite', 'underflow', 'zeros']
   """
-  with _watch(model, Seen(_selector(select))) as seen:
-    yield seen
-
-
-def watch_table(model: Optional[nnx.Module], select: Select
-                ) -> contextlib.AbstractContextManager[Seen]:
-  """`watch`, for a train step: a stack's blocks stay stacked in the `Seen`
-  (read them with `Seen.table`)."""
-  return _watch(model, Seen(_selector(select), split_stacks=False))
-
-
-@contextlib.contextmanager
-def _watch(model: Optional[nnx.Module], seen: Seen) -> Iterator[Seen]:
+  seen = Seen(_selector(select))
   if model is None:
     depth = [0]
     called: dict[str, Any] = {}
@@ -191,7 +190,7 @@ def _watch(model: Optional[nnx.Module], seen: Seen) -> Iterator[Seen]:
       if not path and not depth[0]:
         # A new top-level apply: `apply_with_policies` first runs the model
         # abstractly (`jax.eval_shape`), whose values must not be kept.
-        seen.outputs.clear()
+        seen.calls.clear()
       depth[0] += 1
       try:
         with jax.named_scope(localise.encode_path(path)):
@@ -221,11 +220,7 @@ def _watch(model: Optional[nnx.Module], seen: Seen) -> Iterator[Seen]:
     yield seen
   finally:
     restore()
-    stacked = stacks.close()
-    if seen.split_stacks:
-      seen.outputs.update((path, e["out"]) for path, e in stacked.items())
-    else:
-      seen.stacked = stacked
+    seen.stacked = stacks.close()
 
 
 def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select

@@ -209,7 +209,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       if numerics is None:
         loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
         return loss, aux, nnx.split(m, diff, ...)[2]
-      with numerics_lib.watch_table(m, numerics) as seen:
+      with numerics_lib.watch(m, numerics) as seen:
         loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
       return loss, (aux, seen.table()), nnx.split(m, diff, ...)[2]
 
@@ -388,7 +388,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
       if numerics is None:
         loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
         return loss, aux, box
-      with numerics_lib.watch_table(None, numerics) as seen:
+      with numerics_lib.watch(None, numerics) as seen:
         loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
       return loss, (aux, seen.table()), box
 
