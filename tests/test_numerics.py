@@ -296,6 +296,27 @@ def test_tensor_stats_of_an_empty_tensor_are_zeros():
       "max_abs": 0.0, "underflow": 0.0, "zeros": 0.0, "nonfinite": 0.0}
 
 
+@pytest.mark.parametrize("shapes", [((7, 3),), ((5, 11), (11,)), ((0,), (13,))])
+def test_counts_normalised_on_the_host_are_the_devices_statistics(shapes):
+  """A train step returns counts and its telemetry normalises them when read,
+  after `jax.device_get` with NumPy: the bits are those of `tree_stats`,
+  which normalises on the device. Sizes that are not powers of two (a
+  division there is not a multiply by an exact reciprocal)."""
+  from jmp_amp._src import tensor_stats as stats_lib  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  tree = [jnp.asarray(rng.choice([0.0, 1e-6, 2.0, np.inf, -3.0], size=s),
+                      jnp.float32) for s in shapes]
+  counts, size = stats_lib.tree_counts(tree, jnp.float16)
+  host = stats_lib.normalise(jax.device_get(counts), size)
+  device = stats_lib.tree_stats(tree, jnp.float16)
+  assert list(host) == list(device) == list(stats_lib.STAT_NAMES)
+  for name in host:
+    assert np.asarray(host[name]).dtype == np.float32, name
+    assert np.asarray(host[name]).tobytes() == np.asarray(
+        device[name]).tobytes(), (name, host[name], device[name])
+  assert float(host["underflow"]) > 0 and float(host["nonfinite"]) > 0
+
+
 def test_tree_stats_of_tensors_alike_share_one_trace():
   """Statistics of trees with the same shapes and dtypes are one jitted
   call each, traced once: a model's repeated blocks reuse the trace (issue
