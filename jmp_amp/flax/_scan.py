@@ -30,8 +30,8 @@ import numpy as np
 
 from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _fp8_op as fp8_op_lib
-from jmp_amp.flax import rules as rules_lib
 from jmp_amp.flax import _stats_table as table_lib
+from jmp_amp.flax import rules as rules_lib
 
 _CONTAINERS = (nnx.List, nnx.Dict)
 _NORMS = tuple(c for c in rules_lib.NORM_CLASSES if issubclass(c, nnx.Module))
