@@ -275,15 +275,15 @@ class StackWatch:
   def close(self) -> table_lib.StatsTable:
     """The recorded rows, ``{block path: {"out": stats}}``; removes the
     marks."""
-    out = table_lib.StatsTable()
+    tables = []
     for module, picked, initial in self.marked:
       var = vars(module).get(_STATS)
       if var is not None:
         delattr(module, _STATS)
         rows = var.get_value()
         if rows is not initial:  # the module was called
-          out |= table_lib.StatsTable.stacked(
-              "out", vars(module)[_MARK], rows, stats_lib.STAT_NAMES, picked)
+          tables.append(table_lib.StatsTable.stacked(
+              "out", vars(module)[_MARK], rows, stats_lib.STAT_NAMES, picked))
       if _MARK in vars(module):
         delattr(module, _MARK)
-    return out
+    return table_lib.StatsTable.union(tables)

@@ -97,15 +97,15 @@ class Seen:
   def table(self) -> table_lib.StatsTable:
     """Everything recorded, ``{path: {"out": stats}}``: a module called
     once keeps its counts, normalised when its entry is read."""
-    out = self.stacked
+    tables = [self.stacked]
     for path, calls in self.calls.items():
       if len(calls) == 1:
-        out |= table_lib.StatsTable.counted(path, "out", *calls[0])
+        tables.append(table_lib.StatsTable.counted(path, "out", *calls[0]))
       else:  # merged call by call, as the statistics are
-        out |= table_lib.StatsTable({path: {"out": functools.reduce(
+        tables.append(table_lib.StatsTable({path: {"out": functools.reduce(
             stats_lib.merge_stats,
-            [stats_lib.normalise(*call) for call in calls])}})
-    return out
+            [stats_lib.normalise(*call) for call in calls])}}))
+    return table_lib.StatsTable.union(tables)
 
   def record(self, path: str, module: Any, out: Any) -> None:
     if scan_lib.StackWatch.path(module) is not None:
@@ -277,12 +277,10 @@ def grad_table(model: Optional[nnx.Module], grads: Any, select: Select
       grouped.setdefault(owner, []).append(value)
   selector.warn_unmatched(
       candidates, "the model" if model is None else type(model).__name__)
-  out = table_lib.StatsTable()
-  for owner, values in grouped.items():
-    dtype = getattr(policies.get(owner), "compute_dtype", None)
-    out |= stacks.stats(selector, owner, modules.get(owner), values, dtype,
-                        "grad")
-  return out
+  return table_lib.StatsTable.union(
+      stacks.stats(selector, owner, modules.get(owner), values,
+                   getattr(policies.get(owner), "compute_dtype", None), "grad")
+      for owner, values in grouped.items())
 
 
 def fp8_stats(model: nnx.Module, select: Select) -> table_lib.StatsTable:
@@ -299,7 +297,7 @@ def fp8_stats(model: nnx.Module, select: Select) -> table_lib.StatsTable:
   modules = {scan_lib.path_str(p): m for p, m in pairs}
   stacks = scan_lib.Stacks.find(pairs)  # a stacked module: one per block
   policies = nnx_lib.get_policies(model)
-  out = table_lib.StatsTable()
+  tables = []
   for path, state in fp8_layers.histories(model).items():
     recipe = getattr(policies.get(path), "recipe", None)
     picked = stacks.select(selector, path, modules.get(path))
@@ -313,11 +311,11 @@ def fp8_stats(model: nnx.Module, select: Select) -> table_lib.StatsTable:
       fp8[f"amax_{name}"] = history[..., 0]
       fp8[f"scale_{name}"] = fp8_core.compute_scale(
           jnp.max(history, axis=-1), dtype, recipe.margin)
-    out |= (table_lib.StatsTable({path: {"fp8": fp8}})
-            if picked[0][1] is None else table_lib.StatsTable.stacked(
-                "fp8", path, jnp.stack(list(fp8.values()), -1), list(fp8),
-                picked))
-  return out
+    tables.append(table_lib.StatsTable({path: {"fp8": fp8}})
+                  if picked[0][1] is None else table_lib.StatsTable.stacked(
+                      "fp8", path, jnp.stack(list(fp8.values()), -1),
+                      list(fp8), picked))
+  return table_lib.StatsTable.union(tables)
 
 
 def _owner(path: str, modules: dict[str, Any]) -> str:
