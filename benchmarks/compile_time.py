@@ -12,8 +12,9 @@ before each compile and the variants interleaved in rounds:
 * ``gpt16-features``: each feature's whole train step
   (`jmp_amp.flax.make_train_step` on a GPT of 16 unscanned blocks) against
   the step without it (`FEATURE_PAIRS`, issue #33's limits in
-  `FEATURE_LIMITS`), best of ``--rounds``, and beside 16-bit state its
-  floor, the same storage rounded to nearest (`FEATURE_FLOORS`);
+  `FEATURE_LIMITS`), best of ``--rounds``, and beside two of them their
+  floors (`FEATURE_FLOORS`): loss scaling's finite check without the skip,
+  16-bit state's storage rounded to nearest;
   ``gpt16-scanned-features``: the same with the blocks stacked under
   `nnx.scan`; ``gpt-scanned``: the bf16 step of the GPT with its blocks
   under `nnx.scan` or unrolled, at 4 and 24 blocks.
@@ -157,10 +158,15 @@ FEATURE_PAIRS = {
 FEATURE_LIMITS = {"loss scaling": 1.15, "16-bit state and params": 1.3,
                   "telemetry": 1.3, "fp8 current": 1.3, "fp8 delayed": 1.3,
                   "fp8 rowwise": 1.5}
-# feature -> a variant measured beside it as its floor: the same 16-bit
-# storage rounded to nearest, so the pair's cost splits into storing in 16
-# bits and rounding stochastically.
-FEATURE_FLOORS = {"16-bit state and params": "16-bit, round to nearest"}
+# feature -> a variant measured beside it as its floor (against the
+# feature's own baseline). Loss scaling's: the step that checks every
+# gradient for inf/NaN (for its ``grads_finite``) but neither skips on it nor
+# scales, the least an exact skip must compile (the check reads every
+# gradient before any update). 16-bit state's: the same 16-bit storage
+# rounded to nearest, so the pair's cost splits into storing in 16 bits and
+# rounding stochastically.
+FEATURE_FLOORS = {"loss scaling": "finite check only",
+                  "16-bit state and params": "16-bit, round to nearest"}
 
 
 def _feature_step(variant, scan_layers=False, num_layers=None):
@@ -178,6 +184,7 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
   tx = optax.adamw(1e-3)
   scale = jmp_amp.NoOpLossScale()
   numerics = None
+  skip = variant != "finite check only"
   if variant in ("16-bit state and params", "16-bit, round to nearest"):
     rounding = "nearest" if variant.endswith("nearest") else "stochastic"
     rules = jmp_amp.flax.mixed_rules("bfloat16", param="bfloat16",
@@ -194,7 +201,7 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
     rules = {"*": jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(
         scaling=scaling, history_len=16 if scaling == "delayed" else 1),
         keep_first_last=not scan_layers)}
-  elif variant not in ("bf16", "by hand (plain adamw)"):
+  elif variant not in ("bf16", "by hand (plain adamw)", "finite check only"):
     raise ValueError(f"unknown variant {variant!r}")
   jmp_amp.flax.set_policies(model, rules, example_args=(tokens,))
   if variant == "by hand (plain adamw)":
@@ -209,8 +216,9 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state, value
     return hand, (params, state, rest, tokens)
-  optimizer = nnx.Optimizer(model, jmp_amp.loss_scaling(tx, scale),
-                            wrt=nnx.Param)
+  optimizer = nnx.Optimizer(
+      model, jmp_amp.loss_scaling(tx, scale, skip_nonfinite=skip),
+      wrt=nnx.Param)
   step = jmp_amp.flax.make_train_step(loss_fn, numerics=numerics, jit=False)
 
   def pure(graphdef, state, tokens):

@@ -66,3 +66,20 @@ def test_each_compile_rewrites_the_partial_report(script, monkeypatch):
 def test_a_workload_it_cannot_run_is_refused_by_name(script, argv, named):
   with pytest.raises(SystemExit, match=named):
     script.main(argv)
+
+
+def test_loss_scalings_floor_checks_every_gradient_and_never_skips(script):
+  # One block: the floor's step has the finite check (an is_finite per
+  # gradient, beside the loss's own) that the step by hand lacks, and not
+  # the conditional that skips (on a CPU a cond) that the bf16 step has.
+  def lowered(variant):
+    jitted, args = script._feature_step(variant, num_layers=1)
+    return jitted.lower(*args).as_text()
+  text = {v: lowered(v) for v in ("by hand (plain adamw)",
+                                  "finite check only", "bf16")}
+  count = lambda op: {v: t.count(op) for v, t in text.items()}
+  checks, conds = count("stablehlo.is_finite"), count("stablehlo.case")
+  assert checks["finite check only"] > checks["by hand (plain adamw)"]
+  assert checks["finite check only"] == checks["bf16"]
+  assert (conds["finite check only"] == conds["by hand (plain adamw)"]
+          < conds["bf16"])
