@@ -281,16 +281,24 @@ def _feature_in_process(variant, scan_layers, timeout=600):
 FEATURE_WORKLOADS = {"gpt16-features": False, "gpt16-scanned-features": True}
 
 
+def feature_variants():
+  """Every variant the feature workloads compile: both sides of each pair
+  and each floor."""
+  return sorted({v for pair in FEATURE_PAIRS.values() for v in pair}
+                | set(FEATURE_FLOORS.values()))
+
+
 def run_features(rounds, target="cpu", partial=None,
-                 workload="gpt16-features"):
+                 workload="gpt16-features", variants=None):
   """Each feature's whole-step compile time against the step without it
   (``target="gpu"``: wall seconds on the local GPU, each compile cold in a
   process of its own, CPU seconds beside them), and each floor beside its
   feature. `partial`, if given, gets the workload's report so far after
-  each compile, so that a run stopped part-way keeps what it measured."""
+  each compile, so that a run stopped part-way keeps what it measured.
+  `variants`, if given, compiles only these (more rounds of one pair in
+  the same time); the report has the pairs and floors they make up."""
   scan_layers = FEATURE_WORKLOADS[workload]
-  variants = sorted({v for pair in FEATURE_PAIRS.values() for v in pair}
-                    | set(FEATURE_FLOORS.values()))
+  variants = sorted(variants or feature_variants())
   seconds = {name: [] for name in variants}
   cpu = {name: [] for name in variants} if target == "gpu" else None
   report = lambda: _features_report(seconds, cpu, rounds, workload)
@@ -408,6 +416,9 @@ def main(argv=None):
                   help="comma-separated, of " + ", ".join(
                       [*COMPILE_CASES, *FEATURE_WORKLOADS, "gpt-scanned"])
                   + "; default the update and GPT cases")
+  ap.add_argument("--variants", default=None,
+                  help="feature workloads: comma-separated variants to "
+                       "compile (default all)")
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--json", default=None)
   ap.add_argument("--gemm", choices=("default", "cublas"), default="default",
@@ -430,6 +441,14 @@ def main(argv=None):
   if device == "gpu" and a.workloads not in FEATURE_WORKLOADS:
     raise SystemExit("--target gpu measures --workloads "
                      + " or ".join(FEATURE_WORKLOADS) + " only")
+  variants = a.variants.split(",") if a.variants else None
+  if variants and a.workloads not in FEATURE_WORKLOADS:
+    raise SystemExit("--variants needs --workloads "
+                     + " or ".join(FEATURE_WORKLOADS))
+  unknown = sorted(set(variants or ()) - set(feature_variants()))
+  if unknown:
+    raise SystemExit(f"unknown --variants {', '.join(map(repr, unknown))}: "
+                     "it takes " + ", ".join(feature_variants()))
   report = {"env": overhead.environment(target, a.gemm), "target": target,
             "workloads": []}
   if device == "gpu":
@@ -459,7 +478,8 @@ def main(argv=None):
       done = list(report["workloads"])
       report["workloads"].append(run_features(
           a.rounds, device, partial=lambda wl, done=done: overhead.write(
-              a.json, dict(report, workloads=done + [wl])), workload=w))
+              a.json, dict(report, workloads=done + [wl])), workload=w,
+          variants=variants))
     elif w == "gpt-scanned":
       report["workloads"].append(run_scanned(a.rounds, device))
     else:

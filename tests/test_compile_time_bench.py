@@ -49,8 +49,9 @@ def test_each_compile_rewrites_the_partial_report(script, monkeypatch):
                       lambda name, target, scan_layers: float(next(times)))
   seen = []
   report = script.run_features(1, "cpu", partial=seen.append)
-  variants = ({v for pair in script.FEATURE_PAIRS.values() for v in pair}
-              | set(script.FEATURE_FLOORS.values()))
+  variants = script.feature_variants()
+  assert set(variants) >= {v for pair in script.FEATURE_PAIRS.values()
+                           for v in pair} | set(script.FEATURE_FLOORS.values())
   assert len(seen) == len(variants)
   assert [len(r["results"]) for r in seen] == list(range(1, len(variants) + 1))
   assert seen[-1] == report and set(report["pairs"]) == set(
@@ -61,11 +62,29 @@ def test_each_compile_rewrites_the_partial_report(script, monkeypatch):
 
 @pytest.mark.parametrize("argv, named", [
     (["--workloads", "gpt16"], "unknown workload 'gpt16'"),
+    (["--workloads", "gpt16-features", "--variants", "bf16,fp16"],
+     "unknown --variants 'fp16': it takes .*finite check only"),
+    (["--workloads", "adam300", "--variants", "bf16"],
+     "--variants needs --workloads gpt16-features"),
     (["--target", "gpu", "--workloads", "adam300"], "--target gpu measures"),
 ])
 def test_a_workload_it_cannot_run_is_refused_by_name(script, argv, named):
   with pytest.raises(SystemExit, match=named):
     script.main(argv)
+
+
+def test_a_run_of_some_variants_reports_the_pairs_they_make(script,
+                                                           monkeypatch):
+  compiled = []
+  monkeypatch.setattr(script, "feature_compile_seconds",
+                      lambda name, target, scan_layers: compiled.append(name)
+                      or 10.0 + len(compiled))
+  report = script.run_features(2, "cpu", variants=[
+      "loss scaling", "by hand (plain adamw)", "finite check only"])
+  assert sorted(compiled) == sorted(["loss scaling", "by hand (plain adamw)",
+                                     "finite check only"] * 2)
+  assert set(report["pairs"]) == {"loss scaling"}
+  assert set(report["floors"]) == {"loss scaling"}
 
 
 def test_loss_scalings_floor_checks_every_gradient_and_never_skips(script):
@@ -83,3 +102,22 @@ def test_loss_scalings_floor_checks_every_gradient_and_never_skips(script):
   assert checks["finite check only"] == checks["bf16"]
   assert (conds["finite check only"] == conds["by hand (plain adamw)"]
           < conds["bf16"])
+
+
+def test_loss_scalings_kernels_on_an_h100_do_not_grow_with_depth(script):
+  # The check's unscale and the update's are one value; merged into one
+  # HLO, XLA wrote it out as a kernel of its own per weight gradient (a
+  # 16-block GPT: 18 more kernels than the bf16 step; 8 blocks: 7 more than
+  # 2 blocks). What loss scaling adds is the scale's few scalar kernels.
+  helpers.h100_target_or_skip()
+  from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
+
+  def kernels(variant, blocks):
+    jitted, args = script._feature_step(variant, num_layers=blocks)
+    text = gpu_target.compile_for_gpu(jitted, *args, gemm="default").as_text()
+    entry = text[text.index("ENTRY"):]
+    entry = entry[:entry.index("\n}\n")]
+    return entry.count(" fusion(") + entry.count(" custom-call(")
+  added = {blocks: kernels("loss scaling", blocks) - kernels("bf16", blocks)
+           for blocks in (2, 8)}
+  assert added[8] <= added[2] + 2, added

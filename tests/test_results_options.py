@@ -33,8 +33,10 @@ LABELLED = {
     "low_precision.json": lambda d: (d["memory"]["label"],
                                      d["memory"]["gemm"]),
     "overhead_h100.json": lambda d: (d["env"]["target"], d["env"]["gemm"]),
-    "compile_time_h100.json": lambda d: (d["env"]["target"],
-                                         d["env"]["gemm"]),
+    **{name: lambda d: (d["env"]["target"], d["env"]["gemm"])
+       for name in ("compile_time_h100.json", "compile_time_features_h100.json",
+                    "compile_time_scanned_features_h100.json",
+                    "compile_time_loss_floor_h100.json")},
 }
 
 
