@@ -1,9 +1,12 @@
 """benchmarks/compile_time.py: the report a run of the whole-step feature
-pairs writes (issue #33), also part-way, and the workloads it refuses."""
+pairs writes (issue #33), also part-way, the workloads it refuses, and the
+loss-scaling steps it compiles."""
 
 import json
 
 import pytest
+
+import jmp_amp
 
 import helpers
 
@@ -110,14 +113,10 @@ def test_loss_scalings_kernels_on_an_h100_do_not_grow_with_depth(script):
   # 16-block GPT: 18 more kernels than the bf16 step; 8 blocks: 7 more than
   # 2 blocks). What loss scaling adds is the scale's few scalar kernels.
   helpers.h100_target_or_skip()
-  from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
 
   def kernels(variant, blocks):
     jitted, args = script._feature_step(variant, num_layers=blocks)
-    text = gpu_target.compile_for_gpu(jitted, *args, gemm="default").as_text()
-    entry = text[text.index("ENTRY"):]
-    entry = entry[:entry.index("\n}\n")]
-    return entry.count(" fusion(") + entry.count(" custom-call(")
+    return jmp_amp.gpu_report(jitted, *args, gemm="default").kernels
   added = {blocks: kernels("loss scaling", blocks) - kernels("bf16", blocks)
            for blocks in (2, 8)}
   assert added[8] <= added[2] + 2, added
