@@ -36,7 +36,8 @@ LABELLED = {
     **{name: lambda d: (d["env"]["target"], d["env"]["gemm"])
        for name in ("compile_time_h100.json", "compile_time_features_h100.json",
                     "compile_time_scanned_features_h100.json",
-                    "compile_time_loss_floor_h100.json")},
+                    "compile_time_loss_floor_h100.json",
+                    "compile_time_floors_h100.json")},
 }
 
 
