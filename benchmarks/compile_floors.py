@@ -61,7 +61,7 @@ BASELINE = "bf16"
 def patched_copy(patch, into):
   """A copy of the repository's `jmp_amp` (its models in place, as the
   package installs them) under `into`, with `patch` applied (None: as it
-  is). Returns the directory to put first on the path."""
+  is). Returns the directory a process runs in to import the copy."""
   shutil.copytree(os.path.join(ROOT, "jmp_amp"), os.path.join(into, "jmp_amp"),
                   ignore=shutil.ignore_patterns("__pycache__"))
   shutil.copytree(os.path.join(ROOT, "models"),
@@ -92,6 +92,8 @@ def compile_seconds(path, variant, target, scan_layers, timeout=900):
 
 
 def run(rounds, target="cpu", scan_layers=False, names=None):
+  """Each of `names` (default: every entry of `FLOORS`) compiled `rounds`
+  times, interleaved; the seconds, and the ratios of the best to bf16's."""
   names = list(names or FLOORS)
   seconds = {name: [] for name in names}
   with tempfile.TemporaryDirectory() as tmp:
