@@ -748,20 +748,27 @@ def test_checkpoints_of_older_formats_still_restore(
   directory, state, _ = saved_copy
   path = directory / str(STEP) / "jmp_amp" / "metadata"
   meta = json.loads(path.read_text())
-  assert meta["format"] == "jmp_amp.checkpoint/3"
+  assert meta["format"] == "jmp_amp.checkpoint/4"
   assert len(meta["checksums"]["arrays"]) == len(meta["leaves"])
   assert meta["fp8_recipes"] == {}
-  # /2 had no FP8 recipes, /1 no checksums either: both still restore.
-  old = {k: v for k, v in meta.items() if k != "fp8_recipes"}
+  assert "ScaleByAdamState" in meta["state_types"].values()
+  # /3 had no state types, /2 no FP8 recipes, /1 no checksums either: all
+  # still restore.
+  old = {k: v for k, v in meta.items() if k != "state_types"}
+  path.write_text(json.dumps({**old, "format": "jmp_amp.checkpoint/3"}))
+  assert tree_bytes_equal(checkpoint.restore(directory, state), state)
+  old = {k: v for k, v in old.items() if k != "fp8_recipes"}
   path.write_text(json.dumps({**old, "format": "jmp_amp.checkpoint/2"}))
   assert tree_bytes_equal(checkpoint.restore(directory, state), state)
   del old["checksums"]
   path.write_text(json.dumps({**old, "format": "jmp_amp.checkpoint/1"}))
   assert tree_bytes_equal(checkpoint.restore(directory, state), state)
-  # A /3 checkpoint without its checksums or recipes is damaged, not old.
+  # A /4 checkpoint without its checksums, recipes or types is damaged, not
+  # old.
   for table, name in [("checksums", "'checksums' table"),
                       ("fp8_recipes", "'leaves' / 'loss_scales' / "
-                       "'fp8_recipes' tables")]:
+                       "'fp8_recipes' tables"),
+                      ("state_types", "'state_types' table")]:
     path.write_text(json.dumps({k: v for k, v in meta.items() if k != table}))
     with pytest.raises(checkpoint.CheckpointError,
                        match=r"damaged metadata \(file jmp_amp/metadata\): "

@@ -10,8 +10,9 @@ run*, and refuses anything else:
   orbax's array checkpoint, are saved as JSON next to the arrays, with a
   CRC-32 checksum of every array's bytes;
 * restore checks the target against what was saved -- tree structure, shapes,
-  dtypes, loss-scale hyper-parameters and FP8 recipes -- and raises a
-  `CheckpointError` naming every mismatch. Orbax alone would silently
+  dtypes, the optimizer state's types (Adam is not AdaBelief, though both
+  hold ``count / mu / nu``), loss-scale hyper-parameters, FP8 recipes and
+  the step -- and raises a `CheckpointError` naming every mismatch. Orbax alone would silently
   cast float32 params into a bfloat16 target, or restore a scale into a loss
   scale with a new period;
 * restore verifies every array against its checksum, the restored loss scales

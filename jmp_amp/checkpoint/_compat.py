@@ -19,10 +19,13 @@ import jmp_amp
 from jmp_amp.checkpoint import _errors
 from jmp_amp.checkpoint import _fp8
 from jmp_amp.checkpoint import _nnx
+from jmp_amp.checkpoint import _types
 
-# /2 added per-array checksums, /3 the FP8 recipes; older ones still restore.
-FORMAT = "jmp_amp.checkpoint/3"
-READABLE_FORMATS = ("jmp_amp.checkpoint/1", "jmp_amp.checkpoint/2", FORMAT)
+# /2 added per-array checksums, /3 the FP8 recipes, /4 the optimizer state's
+# types; older ones still restore, checked for what they record.
+FORMAT = "jmp_amp.checkpoint/4"
+READABLE_FORMATS = ("jmp_amp.checkpoint/1", "jmp_amp.checkpoint/2",
+                    "jmp_amp.checkpoint/3", FORMAT)
 # DynamicLossScale's leaves when it flattens without keys.
 _DYNAMIC_FIELDS = ("loss_scale", "counter", "overflows")
 _LOSS_SCALE_TYPES = (jmp_amp.NoOpLossScale, jmp_amp.StaticLossScale,
@@ -99,8 +102,9 @@ def describe(state: Any) -> dict[str, Any]:
 
   Returns:
     ``{"format", "leaves": {path: {"shape", "dtype"}}, "loss_scales": {path:
-    {"type", hyper-parameters}}, "fp8_recipes": {path: recipe fields}}``,
-    paths as `jax.tree_util.keystr` gives them.
+    {"type", hyper-parameters}}, "fp8_recipes": {path: recipe fields},
+    "state_types": {path: optax state class name}}``, paths as
+    `jax.tree_util.keystr` gives them.
 
   Example:
     >>> from jmp_amp.checkpoint import _compat
@@ -122,7 +126,8 @@ def describe(state: Any) -> dict[str, Any]:
     if is_loss_scale(x):
       scales[jax.tree_util.keystr(path)] = _loss_scale_spec(x)
   return {"format": FORMAT, "leaves": leaves, "loss_scales": scales,
-          "fp8_recipes": _fp8.recipes(state)}
+          "fp8_recipes": _fp8.recipes(state),
+          "state_types": _types.state_types(state)}
 
 
 def listing(paths: list[str]) -> str:
@@ -224,8 +229,11 @@ def check_compatible(saved: dict[str, Any], target: Any, *,
       float32 params under a bfloat16 policy on purpose).
   """
   want = describe(target)
+  # Checkpoints before /4 did not record the types: nothing to compare.
   problems = (
-      _leaf_problems(saved["leaves"], want["leaves"], cast_dtypes)
+      _types.problems(saved.get("state_types", want["state_types"]),
+                      want["state_types"])
+      + _leaf_problems(saved["leaves"], want["leaves"], cast_dtypes)
       + _loss_scale_problems(saved.get("loss_scales", {}),
                              want["loss_scales"])
       + _fp8_recipe_problems(saved.get("fp8_recipes", {}),
@@ -234,6 +242,22 @@ def check_compatible(saved: dict[str, Any], target: Any, *,
     raise _errors.mismatch(
         "checkpoint does not match the restore target:\n  - "
         + "\n  - ".join(problems), saved.get("step"))
+
+
+def check_step(saved: dict[str, Any], step: int, directory: Any) -> None:
+  """Raises `CheckpointError` ("mismatch") if the step directory `step` holds
+  a state saved as another step (a renamed or copied directory): resumed
+  under the directory's step, a run's schedule and data order would be off.
+  """
+  recorded = saved.get("step")
+  if recorded is None or recorded == step:
+    return
+  raise _errors.mismatch(
+      f"checkpoint step {step} in {directory} holds the state saved as step "
+      f"{recorded} (its directory was renamed or copied?): resumed as step "
+      f"{step}, the learning-rate schedule and data order would be "
+      f"{abs(step - recorded)} steps off. Rename the directory back to "
+      f"{recorded}, or restore another step.", step)
 
 
 def _loss_scale_problem(x: Any) -> Optional[str]:

@@ -19,8 +19,10 @@ class CheckpointError(ValueError):
   Attributes:
     reason: why, one of
       ``"mismatch"``: the restore target differs from what was saved
-      (structure, shapes, dtypes, loss-scale hyper-parameters, FP8 recipes;
-      the message names every difference);
+      (structure, shapes, dtypes, the optimizer state's types, loss-scale
+      hyper-parameters, FP8 recipes; the message names every difference),
+      or the step directory holds a state saved as another step, or (at
+      save) the processes hold different copies of a replicated array;
       ``"exists"``: a save would replace a saved step, or go back before
       the latest one (the message lists them; ``overwrite=True`` allows it);
       ``"corrupted"``: the files are damaged or incomplete, or hold a state

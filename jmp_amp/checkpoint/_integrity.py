@@ -27,6 +27,7 @@ from jmp_amp.checkpoint import _compat
 
 CHECKSUM = "crc32"
 _WITHOUT_CHECKSUMS = "jmp_amp.checkpoint/1"
+_BEFORE_FP8 = (_WITHOUT_CHECKSUMS, "jmp_amp.checkpoint/2")
 # orbax's JSON metadata files, parsed to name the damaged one in errors.
 _JSON_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "metadata")
 
@@ -213,7 +214,7 @@ def metadata_problem(meta: Any) -> Optional[str]:
   if fmt not in _compat.READABLE_FORMATS:
     return f"unknown format {fmt!r}"
   leaves, scales = meta.get("leaves"), meta.get("loss_scales")
-  recipes = meta.get("fp8_recipes", None if fmt == _compat.FORMAT else {})
+  recipes = meta.get("fp8_recipes", {} if fmt in _BEFORE_FP8 else None)
   if not all(isinstance(t, dict) for t in (leaves, scales, recipes)):
     return "no 'leaves' / 'loss_scales' / 'fp8_recipes' tables"
   for name, spec in leaves.items():
@@ -227,6 +228,10 @@ def metadata_problem(meta: Any) -> Optional[str]:
   for name, spec in recipes.items():
     if not isinstance(spec, dict):
       return f"bad FP8 recipe entry {name}: {spec!r}"
+  types = meta.get("state_types", None if fmt == _compat.FORMAT else {})
+  if not (isinstance(types, dict)
+          and all(isinstance(v, str) for v in types.values())):
+    return "no 'state_types' table"
   sums = meta.get("checksums")
   if sums is not None and not (
       isinstance(sums, dict) and isinstance(sums.get("arrays"), dict)

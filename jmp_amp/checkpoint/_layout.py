@@ -128,6 +128,30 @@ def _paths(tree: Any) -> set[tuple[str, ...]]:
   return set(ocp.tree.to_flat_dict(tree))
 
 
+def check_empty_nodes(saved_tree: Any, saveable: Any, step: int) -> None:
+  """Raises `CheckpointError` ("mismatch") if the target's empty nodes differ
+  from the checkpoint's (orbax saves each as None).
+
+  For checkpoints saved before the state's types were recorded: another
+  optimizer with the same leaves, such as ``optax.adamw`` against
+  ``optax.adam`` (one more ``EmptyState``), would otherwise reach orbax's
+  own structure check, whose error reads like damaged files.
+  """
+  saved = set(ocp.tree.to_flat_dict(saved_tree, keep_empty_nodes=True))
+  want = set(ocp.tree.to_flat_dict(saveable, keep_empty_nodes=True))
+  if saved == want:
+    return
+  fmt = lambda ks: _compat.listing(["/".join(k) for k in sorted(ks)])
+  msg = ("checkpoint does not match the restore target: its empty (leafless) "
+         "state nodes differ (another optimizer, e.g. optax.adamw against "
+         "optax.adam?):")
+  if saved - want:
+    msg += f"\n    in the checkpoint, not in the target: {fmt(saved - want)}"
+  if want - saved:
+    msg += f"\n    in the target, not in the checkpoint: {fmt(want - saved)}"
+  raise _errors.mismatch(msg, step)
+
+
 def plain_layout(saved_tree: Any, saveable: Any
                  ) -> tuple[Any, Optional[Callable[[Any], Any]]]:
   """How to read a checkpoint without jmp_amp metadata into `saveable`.

@@ -18,13 +18,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmp_amp._src import replicas
 from jmp_amp.checkpoint import _compat
 from jmp_amp.checkpoint import _errors
 from jmp_amp.checkpoint import _fp8
 from jmp_amp.checkpoint import _integrity
 from jmp_amp.checkpoint import _layout
 from jmp_amp.checkpoint import _nnx
+from jmp_amp.checkpoint import _processes
 
 PathLike = Union[str, os.PathLike]
 
@@ -111,13 +111,7 @@ class CheckpointManager:
     overwrite = _check_bool(overwrite, "overwrite")
     force = _check_bool(force, "force")
     saveable = _nnx.saveable(state)
-    _check_global(saveable, step)
-    replicas.check(
-        _compat.named_leaves(saveable),
-        f"cannot save checkpoint step {step} in {self.directory}",
-        "The checkpoint would keep one process's copy and silently drop the "
-        "others (or fail its checksums on restore). Start every process from "
-        "the same state: the same loss scale, seeds and checkpoint.")
+    _processes.check_save(saveable, step, self.directory)
     meta = _compat.describe(state)
     if not meta["leaves"]:
       raise ValueError(f"state has no arrays to save, got "
@@ -243,14 +237,18 @@ class CheckpointManager:
     meta, read_as, rebuild = None, saveable, None
     if verify:
       meta = self.metadata(step)
+      _compat.check_step(meta, step, self.directory)
       _compat.check_compatible(meta, target, cast_dtypes=cast_dtypes)
-    else:
+    if not verify or "state_types" not in meta:
       try:
         saved_tree = self._manager.metadata(step).item_metadata[
             _layout.STATE].tree
       except Exception as e:  # pylint: disable=broad-except
         raise self._corrupted(step, e) from e
-      read_as, rebuild = _layout.plain_layout(saved_tree, saveable)
+      if verify:  # Saved before the types were: orbax keeps empty nodes.
+        _layout.check_empty_nodes(saved_tree, saveable, step)
+      else:
+        read_as, rebuild = _layout.plain_layout(saved_tree, saveable)
     missing = _integrity.missing_index(
         os.path.join(self._step_dir(step), _layout.STATE))
     if missing is not None:
@@ -349,31 +347,6 @@ class CheckpointManager:
           f"no checkpoint for step {step} in {self.directory}; steps saved: "
           f"{self.all_steps()}")
     return step
-
-
-def _check_global(saveable: Any, step: int) -> None:
-  """In a multi-process run, refuses arrays that live on one process only.
-
-  Every process calls `save` and orbax writes each array's shards from the
-  processes that hold them; an array on this process's devices alone (made
-  outside `jit`, or by a `jit` that left a constant on one device) is not one
-  array of the run but a copy per process, which orbax refuses deep inside its
-  writer.
-  """
-  if jax.process_count() == 1:
-    return
-  local = [name for name, x in _compat.named_leaves(saveable)
-           if isinstance(x, jax.Array) and x.is_fully_addressable]
-  if local:
-    raise ValueError(
-        f"cannot save checkpoint step {step}: in a multi-process run "
-        f"({jax.process_count()} processes) every array must be a global "
-        f"array on the run's mesh, but {_compat.listing(local)} live(s) on "
-        "this process's devices only. Create the state under jit with "
-        "out_shardings on the global mesh (replicated: "
-        "NamedSharding(mesh, PartitionSpec())), or build it with "
-        "jax.make_array_from_callback / "
-        "jax.make_array_from_process_local_data.")
 
 
 def _check_step(step: Any) -> int:

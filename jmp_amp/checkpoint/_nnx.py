@@ -23,8 +23,15 @@ def flax_nnx() -> Optional[Any]:
 
 
 def _object_type() -> Optional[type]:
+  """The base class of NNX objects (modules, optimizers), or None."""
   nnx = flax_nnx()
   return getattr(nnx, "Pytree", None) if nnx is not None else None
+
+
+def is_object(x: Any) -> bool:
+  """Whether `x` is an NNX object (a module, an optimizer)."""
+  object_type = _object_type()
+  return object_type is not None and isinstance(x, object_type)
 
 
 def objects(tree: Any) -> list[tuple[str, Any]]:

@@ -1,0 +1,150 @@
+"""Silent wrong answers and raw crashes a user met (issue 49), each refused
+with a clear error or answered right.
+
+Checkpoints that know their optimizer and step, a localiser that tells a
+mask from an overflow, the multi-process loss-scale check at `init`, and the
+traps met porting Flax code.
+"""
+
+import json
+import os
+import warnings
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_amp
+
+ocp = pytest.importorskip("orbax.checkpoint")
+from jmp_amp import checkpoint  # pylint: disable=g-import-not-at-top
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+# --------------------------------------------------------------------------
+# Checkpoints know their optimizer (items 1 and 4).
+
+
+def _train_state(tx):
+  opt = jmp_amp.loss_scaling(tx, jmp_amp.DynamicLossScale(2.0**15))
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  return {"params": params, "opt_state": opt.init(params)}
+
+
+def _clipped(tx):
+  return optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+
+OPTIMIZER_CHANGES = {
+    # Same leaf paths (count / mu / nu), another algorithm.
+    "adam-adabelief": (optax.adam, optax.adabelief, [
+        "saved LossScalingState, ScaleByAdamState, EmptyState; target "
+        "LossScalingState, ScaleByBeliefState, EmptyState",
+        "['opt_state'].inner_state[0]: saved ScaleByAdamState, target "
+        "ScaleByBeliefState"]),
+    # One more empty node, no leaf more.
+    "adam-adamw": (optax.adam, optax.adamw, [
+        "saved LossScalingState, ScaleByAdamState, EmptyState; target "
+        "LossScalingState, ScaleByAdamState, EmptyState, EmptyState",
+        "['opt_state'].inner_state[2]: only in the target: EmptyState"]),
+    "clip-adam-adabelief": (
+        lambda lr: _clipped(optax.adam(lr)),
+        lambda lr: _clipped(optax.adabelief(lr)),
+        ["['opt_state'].inner_state[1][0]: saved ScaleByAdamState, target "
+         "ScaleByBeliefState"]),
+    "clip-adam-adamw": (
+        lambda lr: _clipped(optax.adam(lr)),
+        lambda lr: _clipped(optax.adamw(lr)),
+        ["['opt_state'].inner_state[1][2]: only in the target: EmptyState"]),
+}
+
+
+@pytest.mark.parametrize("change", sorted(OPTIMIZER_CHANGES))
+def test_another_optimizer_is_a_mismatch_naming_both(tmp_path, change):
+  saved_tx, target_tx, fragments = OPTIMIZER_CHANGES[change]
+  for step in (1, 2):
+    checkpoint.save(tmp_path, _train_state(saved_tx(1e-3)), step=step)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback to older steps
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      checkpoint.restore_latest(tmp_path, _train_state(target_tx(1e-3)))
+  assert e.value.reason == "mismatch", str(e.value)
+  assert e.value.step == 2
+  message = str(e.value)
+  assert "optimizer state differs (another optimizer?)" in message
+  for fragment in fragments:
+    assert fragment in message
+  # The same optimizer restores.
+  state, step = checkpoint.restore_latest(tmp_path,
+                                          _train_state(saved_tx(1e-3)))
+  assert step == 2 and state["opt_state"].inner_state is not None
+
+
+def test_nnx_optimizer_of_another_optimizer_is_a_mismatch(tmp_path):
+  # nnx.state(optimizer) keeps neither the NamedTuples nor adamw's empty
+  # node: the types come from the optimizer itself.
+  def make(tx):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, jmp_amp.loss_scaling(tx, jmp_amp.DynamicLossScale(2.0**15)),
+        wrt=nnx.Param)
+    return {"model": model, "optimizer": optimizer}
+  checkpoint.save(tmp_path, make(optax.adam(1e-3)), step=3)
+  for tx, fragment in [
+      (optax.adamw(1e-3),
+       "['optimizer']['opt_state']['inner_state'][2]: only in the target: "
+       "EmptyState"),
+      (optax.adabelief(1e-3),
+       "['optimizer']['opt_state']['inner_state'][0]: saved "
+       "ScaleByAdamState, target ScaleByBeliefState")]:
+    target = make(tx)
+    kernel = np.asarray(target["model"].kernel[...])
+    with pytest.raises(checkpoint.CheckpointError, match=r"(?s)optimizer "
+                       r"state differs.*" + fragment.replace("[", r"\[")):
+      checkpoint.restore(tmp_path, target)
+    # Refused before anything was written into the target.
+    np.testing.assert_array_equal(target["model"].kernel[...], kernel)
+  checkpoint.restore(tmp_path, make(optax.adam(1e-3)))
+
+
+def test_a_checkpoint_from_before_the_types_refuses_an_empty_node_change(
+    tmp_path):
+  # A /3 checkpoint records no types; adamw's extra empty node is still a
+  # mismatch (from orbax's tree), never damaged files.
+  checkpoint.save(tmp_path, _train_state(optax.adam(1e-3)), step=1)
+  path = tmp_path / "1" / "jmp_amp" / "metadata"
+  meta = json.loads(path.read_text())
+  del meta["state_types"]
+  path.write_text(json.dumps({**meta, "format": "jmp_amp.checkpoint/3"}))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"empty \(leafless\) state nodes differ") as e:
+    checkpoint.restore_latest(tmp_path, _train_state(optax.adamw(1e-3)))
+  assert e.value.reason == "mismatch"
+  assert "opt_state/inner_state/2" in str(e.value)
+  checkpoint.restore(tmp_path, _train_state(optax.adam(1e-3)))
+
+
+# --------------------------------------------------------------------------
+# A renamed step directory (item 2).
+
+
+def test_a_renamed_step_directory_is_a_mismatch_naming_both_steps(tmp_path):
+  state = _train_state(optax.adam(1e-3))
+  checkpoint.save(tmp_path, state, step=5)
+  os.rename(tmp_path / "5", tmp_path / "7")
+  assert checkpoint.latest_step(tmp_path) == 7
+  for restore in (lambda: checkpoint.restore_latest(tmp_path, state),
+                  lambda: checkpoint.restore(tmp_path, state, step=7)):
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      restore()
+    assert e.value.reason == "mismatch" and e.value.step == 7
+    assert str(e.value).startswith(
+        f"checkpoint step 7 in {tmp_path} holds the state saved as step 5")
+    assert "2 steps off. Rename the directory back to 5" in str(e.value)
+  os.rename(tmp_path / "7", tmp_path / "5")
+  assert checkpoint.restore_latest(tmp_path, state)[1] == 5
