@@ -32,7 +32,8 @@ an asynchronous save of step 2, and process ``--kill-process`` SIGKILLs
 itself once step 2's temporary directory exists; ``--then after-kill`` (in a
 fresh run) reads what is left. ``--then disagree`` starts process 0 with a
 loss scale of 2**15 and the others with 2**10, and records what a save, a
-linen train step and an NNX train step on that state say.
+linen train step and an NNX train step on that state say, and what the
+optimizer's `init` says outside jit.
 """
 
 import argparse
@@ -449,7 +450,14 @@ def disagree_scenario(mesh):
                     step=0)
     record["save"] = None
   except ValueError as e:
-    record["save"] = {"type": type(e).__name__, "message": str(e)}
+    record["save"] = {"type": type(e).__name__, "message": str(e),
+                      "reason": getattr(e, "reason", None)}
+  # A hand-written step's init, outside jit: refused before any step.
+  try:
+    tx.init(params)
+    record["init"] = None
+  except ValueError as e:
+    record["init"] = str(e)
   step = jmp_amp.flax.make_linen_train_step(
       lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), donate=False,
       mutable=())
@@ -472,6 +480,9 @@ def disagree_scenario(mesh):
                   step=0)
   _, metrics = step(same, batch)
   record["agree_steps"] = int(local_value(metrics["steps"]))
+  agree = jmp_amp.loss_scaling(optax.adam(1e-3),
+                               jmp_amp.DynamicLossScale(2.0**15))
+  record["agree_init"] = int(local_value(agree.init(params).steps))
   write("disagree", record)
 
 

@@ -402,7 +402,8 @@ def test_processes_that_disagree_on_the_loss_scale_are_refused(disagree):
   records = [r for r, _ in load(disagree, "disagree", 2)]
   assert records[0] == records[1]
   save = records[0]["save"]
-  assert save["type"] == "ReplicasDisagreeError"
+  # (#49) The one error checkpoint promises, with its reason.
+  assert save["type"] == "CheckpointError" and save["reason"] == "mismatch"
   assert save["message"].startswith("cannot save checkpoint step 0 in ")
   assert ("the processes hold different copies of state that is replicated "
           "over them (one value to JAX): ['opt_state'].loss_scale.loss_scale:"
@@ -414,8 +415,16 @@ def test_processes_that_disagree_on_the_loss_scale_are_refused(disagree):
                          "different copies"), step
   assert ".loss_scale.loss_scale: process 0 = 32768 vs process 1 = 1024" in (
       step)
-  # With the same scale, the same save and step go through.
+  # (#49) A hand-written step's init, outside jit, refuses the two scales
+  # before any step (they trained 12 steps apart without a word).
+  init = records[0]["init"]
+  assert init.startswith("loss_scaling(...).init: the processes were given "
+                         "different settings: loss_scale: process 0 = 32768 "
+                         "vs process 1 = 1024. Each process would train "
+                         "apart"), init
+  # With the same scale, the same save, step and init go through.
   assert records[0]["agree_steps"] == 1
+  assert records[0]["agree_init"] == 0
 
 
 @pytest.fixture(scope="module")

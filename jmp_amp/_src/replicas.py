@@ -114,6 +114,52 @@ def check(named: Sequence[tuple[str, Any]], what: str, advice: str) -> None:
         f"{advice}", disagreements)
 
 
+def check_settings(settings: Sequence[tuple[str, Any]], what: str,
+                   advice: str) -> None:
+  """Raises if the processes were given different settings.
+
+  Like `check`, for host values (numbers, None, strings) that each process
+  holds for itself: one small gather of every process's values. Every
+  process must call it with the same names; in a one-process run it returns
+  at once.
+
+  Raises:
+    ReplicasDisagreeError: naming each setting that differs, with the
+      processes grouped by the value they hold.
+  """
+  if jax.process_count() == 1 or not settings:
+    return
+  def number(v):
+    if v is None:
+      return np.nan
+    if isinstance(v, str):
+      return float(zlib.crc32(v.encode()))
+    return float(np.asarray(v, np.float64))
+  everyone = _gather(np.array([number(v) for _, v in settings], np.float64))
+  problems, disagreements = [], []
+  for i, (name, value) in enumerate(settings):
+    col = everyone[:, i]
+    groups: dict[str, list[int]] = {}
+    for p, v in enumerate(col):
+      groups.setdefault(repr(float(v)), []).append(p)
+    if len(groups) == 1:
+      continue
+    disagreements.append((name, list(groups.values())))
+    parts = []
+    for procs in groups.values():
+      who = (f"process {procs[0]}" if len(procs) == 1
+             else f"processes {procs}")
+      v = col[procs[0]]
+      shown = ("" if isinstance(value, str)
+               else " = None" if np.isnan(v) else f" = {v:g}")
+      parts.append(who + shown)
+    problems.append(f"{name}: {' vs '.join(parts)}")
+  if problems:
+    raise ReplicasDisagreeError(
+        f"{what}: the processes were given different settings: "
+        f"{'; '.join(problems)}. {advice}", disagreements)
+
+
 def scaling_leaves(state: Any) -> list[tuple[str, Any]]:
   """``(name, leaf)`` of a `LossScalingState`'s own arrays: the loss scale's
   fields by name (``.loss_scale.counter``) and the step counters."""

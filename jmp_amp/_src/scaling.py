@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from jmp_amp._src import loss_scale as ls_lib
+from jmp_amp._src import replicas
 from jmp_amp._src.tree import all_finite
 
 SKIP_WITH = ("auto", "cond", "select")
@@ -264,14 +265,30 @@ def loss_scaling(inner: optax.GradientTransformation,
     raise ValueError(f"loss_scaling: skip_with must be one of {SKIP_WITH}, "
                      f"got {skip_with!r}")
   inner_update = optax.with_extra_args_support(inner).update
+  checked = [False]
 
   def init_fn(params):
-    return LossScalingState(
+    state = LossScalingState(
         loss_scale=jax.tree.map(jnp.asarray, loss_scale),
         inner_state=inner.init(params),
         grads_finite=jnp.array(True),
         skipped_steps=jnp.zeros([], jnp.int32),
         steps=jnp.zeros([], jnp.int32))
+    # Once, outside jit (a traced init has no values to compare): processes
+    # given different scales would each train on with their own copy of a
+    # state that is replicated over them. A collective: every process calls
+    # init.
+    if (not checked[0] and jax.process_count() > 1
+        and not isinstance(state.steps, jax.core.Tracer)):
+      replicas.check_settings(
+          _settings(loss_scale, skip_nonfinite=skip_nonfinite,
+                    axis_name=axis_name, check_loss=check_loss,
+                    skip_with=skip_with), "loss_scaling(...).init",
+          "Each process would train apart with its own loss scale (a "
+          "replicated value to JAX, and one copy per process). Build the "
+          "optimizer with the same loss scale and settings in every process.")
+      checked[0] = True
+    return state
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, LossScalingState):
@@ -314,6 +331,29 @@ def loss_scaling(inner: optax.GradientTransformation,
         steps=state.steps + 1)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _settings(loss_scale: ls_lib.LossScale, **flags: Any
+              ) -> list[tuple[str, Any]]:
+  """``(name, value)`` of what every process must agree on: the loss scale's
+  class, values and hyper-parameters, and `loss_scaling`'s flags."""
+  out: list[tuple[str, Any]] = [("loss_scale type", type(loss_scale).__name__)]
+  fields = {ls_lib.StaticLossScale: ("loss_scale",),
+            ls_lib.DynamicLossScale: ("loss_scale", "counter", "overflows",
+                                      "period", "factor", "min_loss_scale",
+                                      "backoff_factor", "max_loss_scale",
+                                      "hysteresis")}.get(type(loss_scale), ())
+  for name in fields:
+    value = getattr(loss_scale, name, None)
+    if isinstance(value, jax.core.Tracer):
+      return []  # built inside a trace: nothing to compare
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+      value = value.addressable_data(0)
+    if value is not None and np.size(value) != 1:
+      continue
+    out.append((name, None if value is None else np.asarray(value).item()))
+  return out + [(name, flag if isinstance(flag, str) or flag is None
+                 else float(flag)) for name, flag in flags.items()]
 
 
 def _apply_or_skip(finite, apply: Callable, grads, inner_state, skip_with):
