@@ -148,3 +148,50 @@ def test_a_renamed_step_directory_is_a_mismatch_naming_both_steps(tmp_path):
     assert "2 steps off. Rename the directory back to 5" in str(e.value)
   os.rename(tmp_path / "7", tmp_path / "5")
   assert checkpoint.restore_latest(tmp_path, state)[1] == 5
+
+
+# --------------------------------------------------------------------------
+# find_nonfinite tells a mask from an overflow (item 3).
+
+
+def _attention(x, mask):
+  with jax.named_scope("scores"):
+    scores = (x @ x.T) * 1000
+  return jnp.sum(jax.nn.softmax(scores + mask))
+
+
+CAUSAL_MASK = jnp.where(jnp.tril(jnp.ones((3, 3), bool)), 0,
+                        -jnp.inf).astype(jnp.float16)
+
+
+def test_find_nonfinite_is_none_for_a_finite_loss_with_a_minus_inf_mask():
+  from jmp_amp import numerics  # pylint: disable=import-outside-toplevel
+  x = jnp.full((3, 4), 0.01, jnp.float16)
+  assert float(_attention(x, CAUSAL_MASK)) == 3.0
+  assert numerics.find_nonfinite(_attention, x, CAUSAL_MASK) is None
+  assert numerics.find_nonfinite(_attention, x, CAUSAL_MASK,
+                                 backward=False) is None
+
+
+def test_find_nonfinite_names_the_scores_overflow_not_the_mask():
+  from jmp_amp import numerics  # pylint: disable=import-outside-toplevel
+  x = jnp.full((3, 4), 6.0, jnp.float16)  # 144 * 1000 > 65504
+  assert np.isnan(float(_attention(x, CAUSAL_MASK)))
+  r = numerics.find_nonfinite(_attention, x, CAUSAL_MASK)
+  assert (r.direction, r.primitive, r.module, r.outputs, r.argument) == (
+      "forward", "mul", "scores", ("inf",), None)
+  assert r.max_finite == 1000.0  # 144 (x @ x.T) and the 1000
+
+
+def test_find_nonfinite_names_an_input_inf_that_reaches_the_output():
+  from jmp_amp import numerics  # pylint: disable=import-outside-toplevel
+  x = jnp.full((3, 3), 0.5, jnp.float16)
+  r = numerics.find_nonfinite(lambda x, m: jnp.sum(x + m), x, CAUSAL_MASK)
+  assert (r.direction, r.argument, r.outputs) == ("input", "args[1]",
+                                                  ("inf",))
+  # A NaN in the input comes first, before the mask.
+  x = x.at[0, 0].set(jnp.nan)
+  r = numerics.find_nonfinite(lambda x, m: jnp.sum(x * 1000 + m), x,
+                              CAUSAL_MASK)
+  assert (r.direction, r.argument, r.outputs) == ("input", "args[0]",
+                                                  ("nan",))

@@ -3,13 +3,15 @@
 `find_nonfinite(fn, *args)` traces `fn` (and, with ``backward=True``, its
 vector-Jacobian product with a cotangent of ones) to a jaxpr and evaluates it
 equation by equation, eagerly, outside `jit`, checking every floating output.
-The first equation whose floating inputs are all finite and one of whose
-outputs is not is the culprit. Sub-jaxprs (`jit`, `custom_jvp`, `checkpoint`,
-calls) are entered, so the culprit is a primitive; control flow (`cond`,
-`while`, `scan`) is evaluated as one equation. Before any equation, the
-arguments and the constants `fn` captured are checked: an inf/NaN already
-there (a NaN in the batch or in a parameter) is the first non-finite value,
-reported with direction ``"input"`` and its argument path.
+Every inf/NaN is followed from where it came from (an op that made it, or
+an argument or constant that held it) to the outputs; only one that reaches
+them counts, so a ``-inf`` attention mask that a softmax turns into zeros is
+no culprit. Of the sources that reach the outputs, an input NaN comes first
+(a NaN in the batch or in a parameter: never meant), then the first op that
+made an inf or NaN of finite values (an overflow), then an input inf (a mask
+whose ``-inf`` reaches the outputs), then an op that made a NaN of an inf. Sub-jaxprs (`jit`, `custom_jvp`, `checkpoint`, calls) are entered,
+so the culprit is a primitive; control flow (`cond`, `while`, `scan`) is
+evaluated as one equation.
 
 Module paths come from the name stack: `jax.named_scope` scopes, which
 `jmp_amp.flax.numerics` puts around every Flax module call as ``@a.b.c``
@@ -30,7 +32,6 @@ import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_amp._src.autocast import interpreter
 
 MODULE_MARK = "@"
 
@@ -42,6 +43,14 @@ _CALL_PARAMS = {
     "remat": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None,
 }
 _WRAPPER = re.compile(r"(\w+)\(")
+# Ops whose every output element depends on the same element of each
+# operand: an inf/NaN there that no operand held is the op's own.
+_ELEMENTWISE = frozenset(
+    "abs acos acosh add add_any asin asinh atan atan2 atanh cbrt ceil clamp "
+    "convert_element_type copy copy_p cos cosh div erf erf_inv erfc exp exp2 "
+    "expm1 floor integer_pow is_finite lgamma digamma log log1p logistic max "
+    "min mul neg nextafter pow reduce_precision rem round rsqrt select_n sign "
+    "sin sinh sqrt square sub tan tanh".split())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,23 +239,124 @@ def _sub_jaxpr(eqn):
       else None
 
 
-def _eval(jaxpr, args: Sequence[Any], prefix: str, backward: bool) -> list:
-  """Evaluates `jaxpr` eagerly; raises _Found at the first culprit."""
+_NONE, _NEW, _FROM_INF = 0, 1, 2
 
-  def eval_eqn(eqn, invals):
-    stack = "/".join(s for s in (prefix, str(eqn.source_info.name_stack))
-                     if s)
-    sub = _sub_jaxpr(eqn)
-    if sub is not None:
-      return _eval(sub, invals, stack, backward)
+
+def _creates(primitive: str, invals: Sequence[Any], out: Any) -> int:
+  """Whether `out` holds an inf/NaN that `invals` did not bring.
+
+  `_NEW`: from finite operands, or, for an elementwise op, where every
+  operand was finite (an overflow, a log of 0). `_FROM_INF`: a NaN from
+  operands that held an inf but no NaN (``inf - inf``, ``0 * inf``).
+  """
+  o = np.asarray(out)
+  bad = ~np.isfinite(o)
+  if not bad.any():
+    return _NONE
+  ins = [np.asarray(x) for x in invals if _is_float(x)]
+  if all(np.isfinite(x).all() for x in ins):
+    return _NEW
+  if primitive in _ELEMENTWISE and all(x.shape in ((), o.shape)
+                                       for x in ins):
+    brought = np.zeros(o.shape, bool)
+    nan_brought = np.zeros(o.shape, bool)
+    for x in ins:
+      brought |= ~np.isfinite(x)
+      nan_brought |= np.isnan(x)
+    if (bad & ~brought).any():
+      return _NEW
+    if (np.isnan(o) & ~nan_brought).any():
+      return _FROM_INF
+    return _NONE
+  if np.isnan(o).any() and not any(np.isnan(x).any() for x in ins):
+    return _FROM_INF
+  return _NONE
+
+
+class _Walk:
+  """Evaluates jaxprs eagerly, following where each inf/NaN came from.
+
+  Every value carries its *origins*: the indices, in `sources`, of the ops
+  that created an inf/NaN it holds (see `_creates`) and of the inputs or
+  constants that held one. A value's origins are its operands' (those not
+  finite) plus the op itself if it created one.
+  """
+
+  def __init__(self, backward: bool):
+    self.backward = backward
+    self.sources: list[NonFinite] = []
+    self.from_inf: set[int] = set()  # ops that made a NaN of an inf
+
+  def source(self, report: NonFinite) -> frozenset:
+    self.sources.append(report)
+    return frozenset([len(self.sources) - 1])
+
+  def constant(self, x: Any) -> frozenset:
+    if not _is_float(x) or _all_finite([x]):
+      return frozenset()
+    return self.source(input_report(x, "a constant captured by fn",
+                                    keys=lambda path: ""))
+
+  def eval(self, jaxpr, args: Sequence[Any], origins: Sequence[frozenset],
+           prefix: str) -> tuple[list, list]:
+    consts = ()
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+      jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
+    env: dict[Any, tuple[Any, frozenset]] = {}
+
+    def read(v):
+      if isinstance(v, jex_core.Literal):
+        x = np.asarray(v.val, dtype=v.aval.dtype)
+        return x, self.constant(x)
+      return env[v]
+
+    env.update((v, (c, self.constant(c)))
+               for v, c in zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, zip(args, origins)))
+    for eqn in jaxpr.eqns:
+      invals, inorig = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
+      stack = "/".join(s for s in (prefix, str(eqn.source_info.name_stack))
+                       if s)
+      sub = _sub_jaxpr(eqn)
+      if sub is not None:
+        outs, outorig = self.eval(sub, invals, inorig, stack)
+      else:
+        outs, outorig = self._eqn(eqn, list(invals), inorig, stack)
+      env.update(zip(eqn.outvars, zip(outs, outorig)))
+    return tuple(zip(*map(read, jaxpr.outvars))) or ((), ())
+
+  def _eqn(self, eqn, invals, inorig, stack) -> tuple[list, list]:
     outs = eqn.primitive.bind(*invals, **eqn.params)
     if not eqn.primitive.multiple_results:
       outs = [outs]
-    if not _all_finite(outs) and _all_finite(invals):
-      raise _Found(_report(eqn, invals, outs, stack, backward))
-    return outs
+    if _all_finite(outs):
+      return outs, [frozenset()] * len(outs)
+    brought = frozenset().union(*(o for x, o in zip(invals, inorig)
+                                  if _is_float(x) and not _all_finite([x])))
+    kinds = {_creates(eqn.primitive.name, invals, o) for o in outs
+             if _is_float(o)} - {_NONE}
+    own = frozenset()
+    if kinds:
+      own = self.source(_report(eqn, invals, outs, stack, self.backward))
+      if _NEW not in kinds:
+        self.from_inf |= own
+    return outs, [brought | own if _is_float(o) and not _all_finite([o])
+                  else frozenset() for o in outs]
 
-  return interpreter.eval_jaxpr(jaxpr, args, eval_eqn)
+  def culprit(self, origins: frozenset) -> Optional[NonFinite]:
+    """The first source among `origins`: an input NaN (never meant), else
+    the first op that made an inf/NaN of finite values (an overflow), else
+    an input inf (a mask), else an op that made a NaN of an inf."""
+    order = sorted(origins)
+    is_input = lambda i: self.sources[i].direction == "input"
+    for first in ([i for i in order
+                   if is_input(i) and "nan" in self.sources[i].outputs[0]],
+                  [i for i in order
+                   if not is_input(i) and i not in self.from_inf],
+                  [i for i in order if is_input(i)], order):
+      if first:
+        return self.sources[first[0]]
+    return None
 
 
 def _with_vjp(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -263,13 +373,17 @@ def _with_vjp(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def find_nonfinite(fn: Callable[..., Any], *args: Any,
-                   backward: bool = True) -> Optional[NonFinite]:
+                   backward: bool = True,
+                   inputs: Optional[NonFinite] = None) -> Optional[NonFinite]:
   """The first equation of `fn` (forward, then backward) making inf/NaN.
 
   Runs outside `jit`, one primitive at a time: roughly the cost of running
   `fn` and then ``jax.vjp(fn, *args)`` op by op without fusion (the first
   call also compiles each distinct primitive), plus one host check per
   equation. Meant for the rare step that went non-finite.
+
+  Only an inf/NaN that reaches the outputs counts: one that a `where` or a
+  softmax drops on the way (a ``-inf`` attention mask) is no culprit.
 
   Example:
     >>> def f(x):
@@ -285,18 +399,20 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
     *args: its arguments (arrays or pytrees of arrays).
     backward: also evaluate the gradient (the VJP of a cotangent of ones
       for every floating output; for a loss, its gradient).
+    inputs: the report to give when the culprit is an input (the caller
+      names its inputs better); default: the argument's path.
 
   Returns:
-    A `NonFinite` report, or None if every value stayed finite. An inf/NaN
-    already in the arguments (or in an array `fn` captured) is reported
-    first, with direction ``"input"`` and its path in ``argument``
-    (``"args[1]['x']"``).
+    None if every output (and, with `backward`, every gradient) is finite.
+    Else the source of an inf/NaN that reaches them: an argument (or an
+    array `fn` captured) holding a NaN, with direction ``"input"`` and its
+    path in ``argument`` (``"args[1]['x']"``); else the first op that made
+    an inf or NaN of finite values (an overflow); else an argument holding
+    an inf (a mask whose ``-inf`` reaches the outputs); else the first op
+    that made a NaN of an inf (``inf - inf``, ``0 * inf``).
   """
   if not callable(fn):
     raise TypeError(f"find_nonfinite takes a function, got {fn!r}")
-  report = input_report(args, "args")
-  if report is not None:
-    return report
   leaves = jax.tree_util.tree_leaves(args)
   # The forward pass alone first: whatever goes non-finite only in the
   # gradient computation (its transposed equations, and the derivative
@@ -305,14 +421,17 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   targets = [(fn, False)] + ([(_with_vjp(fn), True)] if backward else [])
   for target, is_backward in targets:
     closed = jax.make_jaxpr(target)(*args)
-    if not is_backward:
-      consts = [c for c in closed.consts if _is_float(c)]
-      report = input_report(consts, "a constant captured by fn",
-                            keys=lambda path: "")
-      if report is not None:
-        return report
-    try:
-      _eval(closed, leaves, "", is_backward)
-    except _Found as found:
-      return found.report
+    walk = _Walk(is_backward)
+    origins = []
+    for path, x in jax.tree_util.tree_leaves_with_path(args):
+      held = input_report(x, f"args{jax.tree_util.keystr(path)}",
+                          keys=lambda _: "") if _is_float(x) else None
+      origins.append(walk.source(held) if held else frozenset())
+    outs, outorig = walk.eval(closed, leaves, origins, "")
+    if _all_finite(outs):
+      continue
+    report = walk.culprit(frozenset().union(*outorig))
+    if report is not None and report.direction == "input" and inputs:
+      return inputs
+    return report
   return None

@@ -449,10 +449,9 @@ def localise_model(model: Union[nnx.Module, nn.Module],
   inf/NaN, with its module path and a float32 rule for that module,
   verified on a copy of the model; its arguments are documented there.
   """
+  inputs = None
   if isinstance(model, (nn.Module, nnx.Module)):
-    report = _nonfinite_input(model, variables, batch)
-    if report is not None:
-      return report
+    inputs = _nonfinite_input(model, variables, batch)
   if isinstance(model, nn.Module):
     if variables is None:
       raise TypeError("find_nonfinite of a linen module needs its variables "
@@ -465,8 +464,9 @@ def localise_model(model: Union[nnx.Module, nn.Module],
   else:
     raise TypeError("find_nonfinite takes an nnx.Module or a linen Module, "
                     f"got {type(model).__name__}")
-  report = localise.find_nonfinite(f, params, backward=backward)
-  if report is None or report.module is None:
+  report = localise.find_nonfinite(f, params, backward=backward,
+                                  inputs=inputs)
+  if report is None or report.module is None or report.direction == "input":
     return report
   rule = {report.module: "float32"}
   fixed = None
