@@ -195,3 +195,36 @@ def test_find_nonfinite_names_an_input_inf_that_reaches_the_output():
                               CAUSAL_MASK)
   assert (r.direction, r.argument, r.outputs) == ("input", "args[0]",
                                                   ("nan",))
+
+
+# --------------------------------------------------------------------------
+# get_scaling_state of an nnx.Optimizer (item 13).
+
+
+def test_get_scaling_state_of_an_nnx_optimizer_gives_plain_arrays():
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+      model, jmp_amp.loss_scaling(optax.adam(1e-3),
+                                  jmp_amp.DynamicLossScale(2.0**15)),
+      wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x):
+    loss_fn = lambda m: jnp.mean(m(x) ** 2)
+    state = jmp_amp.get_scaling_state(optimizer.opt_state)
+    loss, grads = nnx.value_and_grad(
+        lambda m: state.loss_scale.scale(loss_fn(m)))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  train_step(model, optimizer, jnp.full((4, 3), jnp.inf))  # skipped
+  for where in (optimizer.opt_state, optimizer):
+    state = jmp_amp.get_scaling_state(where)
+    assert bool(state.grads_finite) is False
+    assert int(state.skipped_steps) == 1 and int(state.steps) == 1
+    assert float(state.loss_scale.loss_scale) == 2.0**14
+    assert all(type(x) is type(jnp.zeros(())) for x in jax.tree.leaves(state))
+  with pytest.raises(ValueError, match=r"nnx.state\(optimizer\) keeps the "
+                     r"loss scale's arrays but not its class.*Pass the "
+                     r"nnx.Optimizer itself"):
+    jmp_amp.get_scaling_state(nnx.state(optimizer))

@@ -6,6 +6,7 @@ wherever it sits in a nested optax state.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import jax
@@ -123,12 +124,18 @@ def _describe(out: Any) -> str:
           else f"a {type(out).__name__} of shape {tuple(shape)}")
 
 
+def _nnx() -> Any:
+  """`flax.nnx` where the caller imported it (this module never does)."""
+  return sys.modules.get("flax.nnx")
+
+
 def get_scaling_state(opt_state: Any) -> LossScalingState:
   """Finds the (single) `LossScalingState` anywhere in a nested optax state.
 
   Works through `optax.chain`, `optax.MultiSteps`, `optax.inject_hyperparams`
-  and user containers (`nnx.Optimizer.opt_state`, `TrainState.opt_state`).
-  The current loss scale is its ``.loss_scale``.
+  and user containers (`TrainState.opt_state`, an `nnx.Optimizer` or its
+  ``opt_state``, whose Flax variables are read as plain arrays). The
+  current loss scale is its ``.loss_scale``.
 
   Example:
     >>> opt = optax.chain(optax.clip_by_global_norm(1.0), jmp_amp.loss_scaling(
@@ -140,9 +147,21 @@ def get_scaling_state(opt_state: Any) -> LossScalingState:
   Raises:
     ValueError: if there is no `loss_scaling` state, or more than one.
   """
+  nnx = _nnx()
+  if (nnx is not None and isinstance(opt_state, nnx.Pytree)
+      and hasattr(opt_state, "opt_state")):
+    opt_state = opt_state.opt_state  # an nnx.Optimizer
   is_state = lambda x: isinstance(x, LossScalingState)
   found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state)
            if is_state(x)]
+  if not found and nnx is not None and any(
+      isinstance(x, nnx.State) for x in jax.tree.leaves(
+          opt_state, is_leaf=lambda x: isinstance(x, nnx.State))):
+    raise ValueError(
+        "No loss_scaling state found in an nnx.State: nnx.state(optimizer) "
+        "keeps the loss scale's arrays but not its class or "
+        "hyper-parameters. Pass the nnx.Optimizer itself, or its opt_state: "
+        "jmp_amp.get_scaling_state(optimizer).")
   if not found:
     raise ValueError(
         "No loss_scaling state found in the optimizer state (got "
@@ -155,7 +174,11 @@ def get_scaling_state(opt_state: Any) -> LossScalingState:
     raise ValueError(
         f"Found {len(found)} loss_scaling states in the optimizer state; "
         "wrap the optimizer in loss_scaling exactly once.")
-  return found[0]
+  if nnx is None:
+    return found[0]
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  return jax.tree.map(lambda x: x.get_value() if is_var(x) else x, found[0],
+                      is_leaf=is_var)
 
 
 def scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
