@@ -228,3 +228,32 @@ def test_get_scaling_state_of_an_nnx_optimizer_gives_plain_arrays():
                      r"loss scale's arrays but not its class.*Pass the "
                      r"nnx.Optimizer itself"):
     jmp_amp.get_scaling_state(nnx.state(optimizer))
+
+
+# --------------------------------------------------------------------------
+# Small ones (items 5 and 6).
+
+
+def test_scaled_value_and_grad_in_the_old_call_style_shows_both_calls():
+  opt = jmp_amp.loss_scaling(optax.sgd(0.1), jmp_amp.DynamicLossScale(2.0))
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError) as e:
+    jmp_amp.scaled_value_and_grad(lambda p: jnp.sum(p["w"]),
+                                  opt.init(params))
+  assert str(e.value).endswith(
+      "write jmp_amp.scaled_value_and_grad(fun)(opt_state, *fun_args) "
+      "instead of jmp_amp.scaled_value_and_grad(fun, opt_state)(*fun_args)")
+
+
+def test_low_precision_params_on_float64_params_names_their_dtype():
+  with jax.enable_x64(True):
+    params = {"w": jnp.ones(3, jnp.float64), "b": jnp.ones(2, jnp.float64)}
+    opt = jmp_amp.optim.low_precision_params("kahan")
+    with pytest.warns(UserWarning, match=r"every param is float64 \(2 "
+                      r"arrays\), so it changes nothing") as record:
+      state = opt.init(params)
+    assert "float32" not in str(record[0].message).split(";")[0]
+    updates, _ = opt.update({"w": jnp.full(3, 0.5), "b": jnp.zeros(2)},
+                            state, params)
+    assert updates["w"].dtype == jnp.float64  # passed through
+    np.testing.assert_array_equal(updates["w"], 0.5)

@@ -414,9 +414,10 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
     leaves = jax.tree_util.tree_leaves(params)
     if leaves and not any(narrow(p) for p in leaves):
       # Nothing to round: almost always a policy that forgot the params.
+      dtypes = sorted({str(jnp.result_type(p)) for p in leaves})
       warnings.warn(
-          f"{who}: every param is float32 ({len(leaves)} arrays), so it "
-          "changes nothing; store the params in bfloat16 (jmp_amp.flax: "
+          f"{who}: every param is {' or '.join(dtypes)} ({len(leaves)} "
+          "arrays), so it changes nothing; store the params in bfloat16 (jmp_amp.flax: "
           "mixed_rules(..., param=\"bfloat16\"), or a policy with "
           "p=bf16) or leave low_precision_params out", stacklevel=2)
     if rounding != "kahan":

@@ -65,7 +65,7 @@ def scaled_value_and_grad(fun: Callable, *args: Any,
         "are taken, not when the function is built (a state given here would "
         "go stale as soon as the loss scale changes); write "
         "jmp_amp.scaled_value_and_grad(fun)(opt_state, *fun_args) instead of "
-        "jmp_amp.scaled_value_and_grad(fun)(opt_state, *fun_args)")
+        f"jmp_amp.scaled_value_and_grad(fun, {_given(args)})(*fun_args)")
   if not callable(fun):
     raise TypeError(f"scaled_value_and_grad takes a function, got {fun!r}")
 
@@ -114,6 +114,11 @@ def scaled_loss_fn(fun: Callable, opt_state: Any, *,
     return loss_scale.scale(loss), (loss, out)
 
   return scaled
+
+
+def _given(args: tuple[Any, ...]) -> str:
+  """The extra positional arguments of a call, named as a user wrote them."""
+  return ", ".join(["opt_state"] + [f"<{type(a).__name__}>" for a in args[1:]])
 
 
 def _describe(out: Any) -> str:
