@@ -257,3 +257,55 @@ def test_low_precision_params_on_float64_params_names_their_dtype():
                             state, params)
     assert updates["w"].dtype == jnp.float64  # passed through
     np.testing.assert_array_equal(updates["w"], 0.5)
+
+
+# --------------------------------------------------------------------------
+# autocast of an in-place NNX step (item 8).
+
+
+def _nnx_step_setup():
+  model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  return model, optimizer, jnp.ones((3, 4)), jnp.zeros((3, 2))
+
+
+def _loss_fn(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_autocast_of_an_in_place_nnx_step_is_refused(jit):
+  model, optimizer, x, y = _nnx_step_setup()
+
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(_loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  step = jmp_amp.autocast(train_step, "mixed_bfloat16")
+  if jit:
+    step = nnx.jit(step)
+  kernel = np.asarray(model.kernel[...])
+  with pytest.raises(TypeError, match=(
+      r"autocast takes pure functions: fn changed the Flax NNX state it "
+      r"was given \(args\[0\] \(Linear\), args\[1\] \(Optimizer\)\) in "
+      r"place.*nnx.value_and_grad\(jmp_amp.autocast\(loss_fn, policy\)\)")):
+    step(model, optimizer, x, y)
+  np.testing.assert_array_equal(model.kernel[...], kernel)
+
+
+def test_autocast_of_the_loss_inside_an_nnx_step_updates_the_model():
+  model, optimizer, x, y = _nnx_step_setup()
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    amp_loss = jmp_amp.autocast(_loss_fn, "p=f32,c=bf16,o=f32")
+    loss, grads = nnx.value_and_grad(amp_loss)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  kernel = np.asarray(model.kernel[...])
+  first = float(train_step(model, optimizer, x, y))
+  assert model.kernel[...].dtype == jnp.float32
+  assert not np.array_equal(model.kernel[...], kernel)
+  assert float(train_step(model, optimizer, x, y)) < first

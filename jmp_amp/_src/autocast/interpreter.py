@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -249,6 +250,39 @@ def _is_array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _check_nnx_unchanged(args: tuple, kwargs: dict, treedef: Any,
+                         leaves: list) -> None:
+  """Raises if `fn` changed, in place, an NNX object it was given.
+
+  autocast hands `fn` copies of its arguments (rebuilt from their leaves,
+  as `jax.jit` does), so what `fn` writes into a Flax NNX module or
+  optimizer (an update, BatchNorm statistics, an RNG count) would be lost.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return
+  is_obj = lambda x: isinstance(x, nnx.Pytree)
+  objs = [(jax.tree_util.keystr(path), type(x).__name__) for path, x in
+          jax.tree_util.tree_flatten_with_path(
+              (args, kwargs), is_leaf=is_obj)[0] if is_obj(x)]
+  if not objs:
+    return
+  now, now_def = jax.tree.flatten((args, kwargs))
+  if now_def == treedef and all(x is y for x, y in zip(now, leaves)):
+    return
+  names = ", ".join(f"{('args', 'kwargs')[int(path[1])]}{path[3:]} "
+                    f"({kind})" for path, kind in objs)
+  raise TypeError(
+      "autocast takes pure functions: fn changed the Flax NNX state it was "
+      f"given ({names}) in place, and autocast hands fn copies, so those "
+      "updates (optimizer.update, BatchNorm statistics, RNG counts) would "
+      "be lost. Autocast the loss and update outside it: "
+      "`loss, grads = nnx.value_and_grad(jmp_amp.autocast(loss_fn, policy))"
+      "(model, batch); optimizer.update(model, grads)` (a loss that only "
+      "reads the model), or give the model its policies with "
+      "jmp_amp.flax.set_policies(model, rules) and keep the step as it is.")
+
+
 def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
              rules: Optional[AutocastRules] = None) -> Callable[..., Any]:
   """Returns `fn` with torch.autocast-style per-op precision.
@@ -280,6 +314,11 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
       values do not widen a half operand of a promote op.
     * custom_jvp/custom_vjp functions with integer inputs or outputs, and
       primitives on no list, run in their traced dtypes.
+    * `fn` must be pure, as for `jax.jit`: it gets copies of its arguments.
+      A Flax NNX step that updates its model or optimizer in place is
+      refused with a `TypeError` (its updates would be lost): autocast the
+      loss inside the step, ``nnx.value_and_grad(autocast(loss_fn, ...))``,
+      or use `jmp_amp.flax.set_policies`.
     * As under `jax.grad(jax.jit(fn))`, a custom_vjp whose fwd or bwd closes
       over a value derived from the arguments of `fn` cannot be
       differentiated: pass such values to it as arguments, or use
@@ -342,7 +381,8 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
 
   Raises:
     TypeError: `fn` is not callable, `policy_or_dtype` is not a policy or a
-      floating dtype, or `rules` is not an `AutocastRules`.
+      floating dtype, or `rules` is not an `AutocastRules`; when called:
+      `fn` changed a Flax NNX object it was given in place.
     ValueError: the policy string cannot be parsed.
   """
   if not callable(fn):
@@ -367,7 +407,9 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
       for i, value in zip(dynamic, dyn):
         filled[i] = value
       a, k = jax.tree.unflatten(treedef, filled)
-      return fn(*a, **k)
+      out = fn(*a, **k)
+      _check_nnx_unchanged(a, k, treedef, filled)
+      return out
 
     dyn_args = [leaves[i] for i in dynamic]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_args)
