@@ -309,3 +309,42 @@ def test_autocast_of_the_loss_inside_an_nnx_step_updates_the_model():
   assert model.kernel[...].dtype == jnp.float32
   assert not np.array_equal(model.kernel[...], kernel)
   assert float(train_step(model, optimizer, x, y)) < first
+
+
+# --------------------------------------------------------------------------
+# autocast of a whole train step with half outputs (item 10).
+
+
+def _adam_step():
+  opt = optax.adam(1e-3)
+
+  def train_step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"])))(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
+  return train_step, params, opt.init(params), jnp.ones((3, 4))
+
+
+def test_autocast_of_a_step_with_half_outputs_warns_about_master_weights():
+  train_step, params, opt_state, x = _adam_step()
+  with pytest.warns(UserWarning, match=(
+      r"autocast with output dtype bfloat16 \(p=f32,c=bf16,o=bf16\) casts "
+      r"float32 state to bfloat16: output\[0\] \(like args\[0\]\), "
+      r"output\[1\] \(like args\[1\]\)\. .*master copies.*"
+      r'"p=f32,c=bf16,o=f32"')):
+    params16, state16, _ = jax.jit(
+        jmp_amp.autocast(train_step, "mixed_bfloat16"))(params, opt_state, x)
+  assert params16["w"].dtype == jnp.bfloat16  # what the rule does
+  assert state16[0].mu["w"].dtype == jnp.bfloat16
+  # The step policy of the warning keeps them float32, without a word.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    new, state, loss = jmp_amp.autocast(train_step, "p=f32,c=bf16,o=f32")(
+        params, opt_state, x)
+    # An activation shaped like its input is no state.
+    act = jmp_amp.autocast(lambda h: h + jnp.tanh(h), "mixed_bfloat16")(x)
+  assert new["w"].dtype == state[0].nu["w"].dtype == jnp.float32
+  assert loss.dtype == jnp.float32 and act.dtype == jnp.bfloat16

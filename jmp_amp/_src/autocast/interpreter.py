@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -250,6 +251,44 @@ def _is_array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _float32_like(out: Any, arg: Any) -> bool:
+  """Whether `out` has `arg`'s structure and shapes, with float32 leaves
+  where `arg` has them (a step returning its params or optimizer state)."""
+  treedef = jax.tree.structure(arg)
+  if treedef.num_nodes == 1 or jax.tree.structure(out) != treedef:
+    return False  # a bare array: an activation shaped like the input
+  pairs = list(zip(jax.tree.leaves(out), jax.tree.leaves(arg)))
+  f32 = [(o, a) for o, a in pairs if dtype_of(a) == np.float32]
+  return bool(f32) and all(
+      dtype_of(o) == np.float32 and np.shape(o) == np.shape(a)
+      for o, a in f32)
+
+
+def _warn_state_to_half(out: Any, args: tuple, output_dtype: np.dtype,
+                        policy: Policy) -> None:
+  """Warns if the output cast would turn float32 state into half: outputs
+  shaped like a float32 argument (the params and optimizer state a train
+  step returns) lose their float32 master copies."""
+  if output_dtype not in dtypes.HALF_DTYPES:
+    return
+  parts = (list(enumerate(out)) if isinstance(out, (tuple, list))
+           else list(out.items()) if isinstance(out, dict) else [])
+  parts = [("", out)] + [(f"[{k!r}]", o) for k, o in parts]
+  found = [(where, i) for where, o in parts for i, a in enumerate(args)
+           if _float32_like(o, a)]
+  if not found:
+    return
+  listed = ", ".join(f"output{where or ''} (like args[{i}])"
+                     for where, i in found)
+  warnings.warn(
+      f"autocast with output dtype {output_dtype.name} ({policy}) casts "
+      f"float32 state to {output_dtype.name}: {listed}. A train step "
+      "returning its params or optimizer state would lose their float32 "
+      "master copies (and Adam's moments). Give the step float32 outputs, "
+      "e.g. autocast(step, \"p=f32,c=bf16,o=f32\"), or autocast the loss "
+      "inside the step.", UserWarning, stacklevel=3)
+
+
 def _check_nnx_unchanged(args: tuple, kwargs: dict, treedef: Any,
                          leaves: list) -> None:
   """Raises if `fn` changed, in place, an NNX object it was given.
@@ -416,6 +455,7 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
     outs = _eval_jaxpr(ctx, closed, dyn_args)
     out = jax.tree.unflatten(
         jax.tree.structure(out_shape), outs)
+    _warn_state_to_half(out, args, np.dtype(policy.output_dtype), policy)
     return policy.cast_to_output(out)
 
   return wrapped
