@@ -348,3 +348,37 @@ def test_autocast_of_a_step_with_half_outputs_warns_about_master_weights():
     act = jmp_amp.autocast(lambda h: h + jnp.tanh(h), "mixed_bfloat16")(x)
   assert new["w"].dtype == state[0].nu["w"].dtype == jnp.float32
   assert loss.dtype == jnp.float32 and act.dtype == jnp.bfloat16
+
+
+# --------------------------------------------------------------------------
+# A linen layer with an explicit dtype under a policy (item 9).
+
+
+def test_linen_layer_with_an_explicit_dtype_is_named_in_a_warning():
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jmp_amp.flax  # pylint: disable=import-outside-toplevel
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(8, dtype=jnp.float32)(x)
+      x = nn.LayerNorm(dtype=jnp.float32)(x)  # its policy computes float32
+      return nn.Dense(2)(x)
+
+  x = jnp.ones((2, 4))
+  variables = Net().init(jax.random.key(0), x)
+  rules = jmp_amp.flax.mixed_rules("bfloat16")
+  with pytest.warns(UserWarning, match=(
+      r"linen modules with an explicit dtype override the policy's compute "
+      r"dtype: Dense_0 \(Dense, dtype=float32, policy compute bfloat16\)\. "
+      r"Their inputs and params are still cast")) as record:
+    jax.jit(lambda v, x: jmp_amp.flax.apply_with_policies(
+        Net(), rules, v, x))(variables, x)
+  assert len(record) == 1
+  assert "LayerNorm" not in str(record[0].message)
+  assert "Dense_1" not in str(record[0].message)
+  # The rule the warning suggests silences it.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp_amp.flax.apply_with_policies(
+        Net(), rules | {"Dense_0": "float32"}, variables, x)

@@ -18,7 +18,8 @@ policies are applied around `apply`, with public Flax tools only:
 
 Flax layers whose ``dtype`` is None (the default) compute in the dtype of
 their inputs and params, so they follow the policy; a layer given an explicit
-``dtype`` keeps it. Variables of other collections (BatchNorm's
+``dtype`` keeps it, on inputs and params rounded to the policy's compute
+dtype, and `apply_with_policies` warns, naming it. Variables of other collections (BatchNorm's
 ``batch_stats``) are neither cast nor re-typed: they stay float32.
 `init_with_policies` creates the params in each policy's param dtype.
 
@@ -50,6 +51,7 @@ Example:
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
+import warnings
 
 import flax.linen as nn
 from flax import traverse_util
@@ -92,6 +94,7 @@ class _Plan:
   def __init__(self, ruleset: rules_lib.RuleSet,
                modules: dict[Path, nn.Module], *, strict: bool):
     self.resolved: dict[Path, rules_lib.Resolution] = {}
+    self.modules = modules
     used = set()
     for path in sorted(modules, key=len):
       parent = _nearest(path[:-1], self.resolved) if path else None
@@ -105,6 +108,35 @@ class _Plan:
       rules_lib.report_unmatched(
           ruleset, used, [("/".join(p), m) for p, m in modules.items()],
           strict=strict, what="the linen model")
+
+  def warn_explicit_dtypes(self, modules: dict[Path, nn.Module]) -> None:
+    """Warns about modules whose explicit ``dtype`` overrides the compute
+    dtype: their inputs and params are still cast to it at the boundary,
+    so they compute rounded values at the cost of their own dtype."""
+    found = []
+    for path, module in modules.items():
+      res, dtype = self.resolved.get(path), getattr(module, "dtype", None)
+      if res is None or res.policy is None or dtype is None:
+        continue
+      try:
+        dtype = np.dtype(dtype)
+      except TypeError:
+        continue
+      compute = np.dtype(res.policy.compute_dtype)
+      if dtype != compute and np.issubdtype(dtype, np.floating):
+        found.append(f"{'/'.join(path) or '<root>'} "
+                     f"({type(module).__name__}, dtype={dtype.name}, "
+                     f"policy compute {compute.name})")
+    if found:
+      more = f" (and {len(found) - 8} more)" if len(found) > 8 else ""
+      warnings.warn(
+          f"linen modules with an explicit dtype override the policy's "
+          f"compute dtype: {', '.join(found[:8])}{more}. Their inputs and "
+          "params are still cast to the policy's compute dtype, so they "
+          "compute the rounded values in their own dtype: its cost, the "
+          "policy's precision. Leave their dtype None (the default follows "
+          "the policy), or give them a rule in their dtype, e.g. "
+          "{path: \"float32\"}.", UserWarning, stacklevel=3)
 
   def owner_policy(self, path: Path):
     owner = _nearest(path, self.resolved)
@@ -225,6 +257,7 @@ def apply_with_policies(module: nn.Module, rules: Any, variables: Any,
   """
   plan, _ = _plan_for(lambda: module.apply(variables, *args, **kwargs),
                       rules, strict=strict)
+  plan.warn_explicit_dtypes(plan.modules)
   variables = plan.cast_params(variables, "compute_dtype")
   with nn.intercept_methods(plan.intercept):
     return module.apply(variables, *args, **kwargs)
