@@ -382,3 +382,49 @@ def test_linen_layer_with_an_explicit_dtype_is_named_in_a_warning():
     warnings.simplefilter("error")
     jmp_amp.flax.apply_with_policies(
         Net(), rules | {"Dense_0": "float32"}, variables, x)
+
+
+# --------------------------------------------------------------------------
+# A model's own norm class under mixed_rules (item 12).
+
+
+class GemmaRMSNorm(nnx.Module):
+  """Written as Gemma's `layers.RMSNorm`: a scale and no dtype knob."""
+
+  def __init__(self, dim):
+    self.scale = nnx.Param(jnp.zeros(dim))
+
+  def __call__(self, x):
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + 1e-6) * (1 + self.scale[...])
+
+
+class _NormBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.pre_attention_norm = GemmaRMSNorm(8)
+    self.proj = nnx.Linear(8, 8, rngs=rngs)
+    self.final_norm = nnx.RMSNorm(8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.final_norm(self.proj(self.pre_attention_norm(x)))
+
+
+@pytest.mark.filterwarnings("ignore:.*has no dtype knob")
+def test_mixed_rules_name_a_models_own_norm_left_in_half():
+  import jmp_amp.flax  # pylint: disable=import-outside-toplevel
+  rules = jmp_amp.flax.mixed_rules("float16")
+  with pytest.warns(UserWarning, match=(
+      r"modules of _NormBlock named like norms compute in half precision "
+      r"under these rules: pre_attention_norm \(GemmaRMSNorm, float16\)\. "
+      r".*rules \| \{GemmaRMSNorm: \"float32\"\}")) as record:
+    jmp_amp.flax.set_policies(_NormBlock(nnx.Rngs(0)), rules)
+  assert not any("final_norm" in str(r.message) for r in record)
+  # The rule it suggests puts the norm in float32, without a word.
+  model = _NormBlock(nnx.Rngs(0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp_amp.flax.set_policies(model, rules | {GemmaRMSNorm: "float32"})
+  policies = jmp_amp.flax.get_policies(model)
+  assert jnp.dtype(policies["pre_attention_norm"].compute_dtype) == jnp.float32
+  assert jnp.dtype(policies["proj"].compute_dtype) == jnp.float16

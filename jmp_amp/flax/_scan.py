@@ -183,6 +183,8 @@ def resolve(ruleset: rules_lib.RuleSet, modules: Sequence[tuple[tuple, Any]],
   rules_lib.report_unmatched(ruleset, used,
                              list(stacks.candidates(modules).items()),
                              strict=strict, what=what)
+  rules_lib.warn_half_norms(
+      [(path_str(p), m, resolved[p]) for p, m in modules], what)
   return resolved
 
 

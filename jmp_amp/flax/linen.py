@@ -108,6 +108,9 @@ class _Plan:
       rules_lib.report_unmatched(
           ruleset, used, [("/".join(p), m) for p, m in modules.items()],
           strict=strict, what="the linen model")
+      rules_lib.warn_half_norms(
+          [("/".join(p), modules[p], r) for p, r in self.resolved.items()],
+          "the linen model")
 
   def warn_explicit_dtypes(self, modules: dict[Path, nn.Module]) -> None:
     """Warns about modules whose explicit ``dtype`` overrides the compute
