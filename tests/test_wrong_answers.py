@@ -428,3 +428,56 @@ def test_mixed_rules_name_a_models_own_norm_left_in_half():
   policies = jmp_amp.flax.get_policies(model)
   assert jnp.dtype(policies["pre_attention_norm"].compute_dtype) == jnp.float32
   assert jnp.dtype(policies["proj"].compute_dtype) == jnp.float16
+
+
+# --------------------------------------------------------------------------
+# matmul_report of a step on a fresh flax TrainState (item 14).
+
+
+def test_matmul_report_traces_a_train_states_python_step_as_jit_does():
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from flax.training import train_state  # pylint: disable=import-outside-toplevel
+
+  def rsqrt_schedule(step):  # lm1b's shape: Python's 0 ** -0.5 raises
+    return 0.1 * jnp.minimum(1.0, (step + 1) / 10) * step ** -0.5
+
+  model = nn.Dense(4)
+  x = jnp.ones((2, 8), jnp.bfloat16)
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+      tx=optax.sgd(rsqrt_schedule))
+  assert state.step == 0 and isinstance(state.step, int)
+
+  def train_step(state, x):
+    lr = rsqrt_schedule(state.step)
+    grads = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, x)))(
+        state.params)
+    return state.apply_gradients(grads=grads), lr
+
+  jax.jit(train_step).lower(state, x)  # jit traces the step
+  report = jmp_amp.matmul_report(train_step, state, x)
+  assert report.summary()["by_signature"] == jmp_amp.matmul_report(
+      jax.jit(train_step), state, x).summary()["by_signature"]
+  assert len(list(report)) == 1  # the kernel's gradient (mean is linear)
+
+
+# --------------------------------------------------------------------------
+# autocast(jax.grad(loss), "float8") against jax.grad(autocast(...)) (11).
+
+
+def test_autocast_float8_of_a_gradient_warns_that_it_rounds_it_as_e4m3():
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+  w, x = jnp.full((4, 3), 0.25), jnp.ones((2, 4))
+  with pytest.warns(UserWarning, match=(
+      r"autocast\(fn, \"float8\"\) of a function that computes gradients "
+      r"\(1 matmul\(s\) of its backward pass.*float8_e4m3fn.*"
+      r"jax.grad\(jmp_amp.autocast\(loss, \"float8\"\)\) quantizes the "
+      r"gradient in float8_e5m2")):
+    inside = jmp_amp.autocast(jax.grad(loss), "float8")(w, x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    outside = jax.grad(jmp_amp.autocast(loss, "float8"))(w, x)
+    # A forward-only function, and a half policy, say nothing.
+    jmp_amp.autocast(loss, "float8")(w, x)
+    jmp_amp.autocast(jax.grad(loss), "p=f32,c=bf16,o=f32")(w, x)
+  assert inside.shape == outside.shape == w.shape

@@ -38,8 +38,9 @@ def matmul_report(fn: Any, *args: Any, stage: str = "lowered",
   ``stage="compiled"``, compiled) with `jax.jit`, or with `flax.nnx.jit` when
   an argument is a Flax NNX module or other graph object. Leaves of the
   arguments that are not arrays (an Equinox module's activation function,
-  its flags and sizes) are static, as under `equinox.filter_jit`; a number
-  passed as an argument itself is traced, as by `jax.jit`. A callable pytree
+  its flags and sizes) are static, as under `equinox.filter_jit`; numbers
+  are traced, as by `jax.jit` (a train state's ``step``), except in a pytree
+  that also holds such leaves. A callable pytree
   that holds arrays (an Equinox module) can be `fn` itself: its arrays are
   then arguments of the program, not constants.
 
@@ -163,13 +164,18 @@ def _is_array(x: Any) -> bool:
 def _part(argument: Any, traced: bool) -> Any:
   """The traced (or the static) leaves of `argument`, None for the others.
 
-  A number passed as an argument is traced, as by `jax.jit`; in a pytree (a
-  module's flag or size) it is static, as under `equinox.filter_jit`.
+  Numbers are traced, as by `jax.jit` (a train state's ``step``), except in
+  a pytree that `jax.jit` could not take (an Equinox module holding its
+  activation function): there a number is a flag or a size, static as under
+  `equinox.filter_jit`.
   """
   if isinstance(argument, _NUMBERS):
     return argument if traced else None
+  jittable = all(_is_array(x) or isinstance(x, _NUMBERS)
+                 for x in jax.tree_util.tree_leaves(argument))
+  dynamic = lambda x: _is_array(x) or (jittable and isinstance(x, _NUMBERS))
   return jax.tree_util.tree_map(
-      lambda x: x if _is_array(x) == traced else None, argument)
+      lambda x: x if dynamic(x) == traced else None, argument)
 
 
 def _close_over_static(fn, args: tuple, kwargs: dict, static_argnums,

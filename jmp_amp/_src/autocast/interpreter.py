@@ -251,6 +251,35 @@ def _is_array_leaf(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _backward_matmuls(jaxpr) -> int:
+  """How many FP8-list matmuls of `jaxpr` (sub-jaxprs included) a transpose
+  made: the backward pass of a gradient computed inside the function."""
+  if isinstance(jaxpr, jex_core.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  count = 0
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name in _FP8_MATMULS
+        and "transpose(" in str(eqn.source_info.name_stack)):
+      count += 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+          count += _backward_matmuls(sub)
+  return count
+
+
+def _warn_fp8_backward(closed) -> None:
+  count = _backward_matmuls(closed)
+  if count:
+    warnings.warn(
+        f"autocast(fn, \"float8\") of a function that computes gradients "
+        f"({count} matmul(s) of its backward pass, e.g. fn = jax.grad(loss)) "
+        "quantizes them as forward matmuls, both operands in float8_e4m3fn; "
+        "jax.grad(jmp_amp.autocast(loss, \"float8\")) quantizes the "
+        "gradient in float8_e5m2, as FP8 training does. Autocast the loss, "
+        "then differentiate it.", UserWarning, stacklevel=3)
+
+
 def _float32_like(out: Any, arg: Any) -> bool:
   """Whether `out` has `arg`'s structure and shapes, with float32 leaves
   where `arg` has them (a step returning its params or optimizer state)."""
@@ -452,6 +481,8 @@ def autocast(fn: Callable[..., Any], policy_or_dtype: Any, *,
 
     dyn_args = [leaves[i] for i in dynamic]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_args)
+    if fp8_recipe is not None:
+      _warn_fp8_backward(closed)
     outs = _eval_jaxpr(ctx, closed, dyn_args)
     out = jax.tree.unflatten(
         jax.tree.structure(out_shape), outs)
