@@ -30,6 +30,7 @@ import numpy as np
 
 from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _fp8_op as fp8_op_lib
+from jmp_amp.flax import _norm_names
 from jmp_amp.flax import _stats_table as table_lib
 from jmp_amp.flax import rules as rules_lib
 
@@ -183,7 +184,7 @@ def resolve(ruleset: rules_lib.RuleSet, modules: Sequence[tuple[tuple, Any]],
   rules_lib.report_unmatched(ruleset, used,
                              list(stacks.candidates(modules).items()),
                              strict=strict, what=what)
-  rules_lib.warn_half_norms(
+  _norm_names.warn_half_norms(
       [(path_str(p), m, resolved[p]) for p, m in modules], what)
   return resolved
 

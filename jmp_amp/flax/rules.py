@@ -86,11 +86,9 @@ import warnings
 
 from flax import linen as nn
 from flax import nnx
-import numpy as np
 
 import jmp_amp
 from jmp_amp import Policy
-from jmp_amp._src import dtypes
 from jmp_amp._src import fp8 as fp8_core
 from jmp_amp.flax import _fp8_policy as fp8_policy_lib
 from jmp_amp.flax._select import compile_pattern
@@ -109,10 +107,6 @@ def _norm_classes() -> tuple[type, ...]:
 
 
 NORM_CLASSES: tuple[type, ...] = _norm_classes()
-# A class named like a norm (a model's own RMSNorm, T5LayerNorm,
-# LayerNormalization), but not Flax's wrappers that normalise weights.
-_NORM_NAME = re.compile(r"norm(alization)?$", re.IGNORECASE)
-_NOT_NORMS = ("WeightNorm", "SpectralNorm")
 
 
 class PolicyRules(dict):
@@ -422,40 +416,6 @@ def casts_output(path: str, resolution: Resolution) -> bool:
   model returns what its last layers compute (see the module docstring).
   """
   return not (path == ROOT_KEY and resolution.source == "default")
-
-
-def warn_half_norms(resolved: Iterable[tuple[str, Any, Resolution]],
-                    what: str) -> None:
-  """Warns about modules named like norms that the rules leave in half.
-
-  `mixed_rules` knows Flax's norm classes; a model's own (Gemma's
-  ``layers.RMSNorm``) would compute its statistics in half precision under
-  the catch-all rule. A rule naming the module or its class is a choice:
-  no warning then.
-  """
-  found = []
-  for path, module, res in resolved:
-    name = type(module).__name__
-    if (res.policy is None or isinstance(module, NORM_CLASSES)
-        or not _NORM_NAME.search(name) or name in _NOT_NORMS
-        or (res.source == "rule" and res.rule.key != DEFAULT_KEY)
-        or not isinstance(res.policy, Policy)
-        or np.dtype(res.policy.compute_dtype) not in dtypes.HALF_DTYPES):
-      continue
-    found.append((path or "<root>", name,
-                  np.dtype(res.policy.compute_dtype).name))
-  if not found:
-    return
-  listed = ", ".join(f"{p} ({n}, {d})" for p, n, d in found[:8])
-  more = f" (and {len(found) - 8} more)" if len(found) > 8 else ""
-  classes = ", ".join(dict.fromkeys(n for _, n, _ in found))
-  warnings.warn(
-      f"jmp_amp.flax: modules of {what} named like norms compute in half "
-      f"precision under these rules: {listed}{more}. The rules know Flax's "
-      "norm classes (nnx.RMSNorm, nnx.LayerNorm, ...), not these, and a "
-      "norm's statistics lose their precision in half. Add a rule for the "
-      f"class, e.g. rules | {{{classes.split(', ')[0]}: \"float32\"}}, "
-      "or a rule of its own to keep it as it is.", UserWarning, stacklevel=4)
 
 
 def report_unmatched(ruleset: RuleSet, used: set, candidates: Sequence[tuple[
