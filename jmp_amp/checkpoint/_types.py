@@ -75,8 +75,12 @@ def _sequence(types: dict[str, str]) -> str:
 
 
 def problems(saved: dict[str, str], target: dict[str, str]) -> list[str]:
-  """What differs between two `state_types` records, as one problem."""
-  if saved == target:
+  """What differs between two `state_types` records, as one problem.
+
+  A side with no optax state at all (a target of plain dicts, such as a
+  bare `nnx.state`, or a checkpoint saved from one) has nothing to compare.
+  """
+  if saved == target or not saved or not target:
     return []
   lines = []
   for path in sorted(set(saved) | set(target)):
