@@ -28,12 +28,6 @@ def _object_type() -> Optional[type]:
   return getattr(nnx, "Pytree", None) if nnx is not None else None
 
 
-def is_object(x: Any) -> bool:
-  """Whether `x` is an NNX object (a module, an optimizer)."""
-  object_type = _object_type()
-  return object_type is not None and isinstance(x, object_type)
-
-
 def objects(tree: Any) -> list[tuple[str, Any]]:
   """``(path, object)`` of the NNX objects in `tree`, paths by `keystr`."""
   object_type = _object_type()

@@ -34,10 +34,10 @@ def _is_state_node(x: Any) -> bool:
           and not isinstance(x, optax.GradientTransformation))
 
 
-def _walk(x: Any, path: str, out: dict[str, str]) -> None:
+def _walk(x: Any, path: str, out: dict[str, str], objects: tuple) -> None:
   if isinstance(x, _LOSS_SCALES):
     return  # compared with its hyper-parameters
-  if _nnx.is_object(x):
+  if isinstance(x, objects):
     nnx = _nnx.flax_nnx()
     for sub, node in sorted(nnx.iter_graph(x),
                             key=lambda pn: tuple(map(repr, pn[0]))):
@@ -46,12 +46,13 @@ def _walk(x: Any, path: str, out: dict[str, str]) -> None:
     return
   if _is_state_node(x):
     out[path] = type(x).__name__
-  children = jax.tree_util.tree_flatten_with_path(
-      x, is_leaf=lambda y: y is not x)[0]
-  if len(children) == 1 and children[0][0] == ():
-    return  # a leaf
-  for key, child in children:
-    _walk(child, path + jax.tree_util.keystr(key), out)
+  # One flatten down to the next state nodes (or loss scales, NNX objects):
+  # the arrays in between are passed over at C++ speed.
+  kinds = _LOSS_SCALES + objects
+  stop = lambda y: y is not x and (isinstance(y, kinds) or _is_state_node(y))
+  for key, child in jax.tree_util.tree_flatten_with_path(x, is_leaf=stop)[0]:
+    if stop(child):
+      _walk(child, path + jax.tree_util.keystr(key), out, objects)
 
 
 def state_types(tree: Any) -> dict[str, str]:
@@ -65,7 +66,8 @@ def state_types(tree: Any) -> dict[str, str]:
 'EmptyState', "['opt_state'][2]": 'EmptyState'}
   """
   out: dict[str, str] = {}
-  _walk(tree, "", out)
+  nnx = _nnx.flax_nnx()
+  _walk(tree, "", out, (nnx.Pytree,) if nnx is not None else ())
   return out
 
 
