@@ -436,7 +436,7 @@ def test_mixed_rules_name_a_models_own_norm_left_in_half():
 
 def test_matmul_report_traces_a_train_states_python_step_as_jit_does():
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
-  from flax.training import train_state  # pylint: disable=import-outside-toplevel
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
 
   def rsqrt_schedule(step):  # lm1b's shape: Python's 0 ** -0.5 raises
     return 0.1 * jnp.minimum(1.0, (step + 1) / 10) * step ** -0.5

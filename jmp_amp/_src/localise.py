@@ -9,9 +9,10 @@ them counts, so a ``-inf`` attention mask that a softmax turns into zeros is
 no culprit. Of the sources that reach the outputs, an input NaN comes first
 (a NaN in the batch or in a parameter: never meant), then the first op that
 made an inf or NaN of finite values (an overflow), then an input inf (a mask
-whose ``-inf`` reaches the outputs), then an op that made a NaN of an inf. Sub-jaxprs (`jit`, `custom_jvp`, `checkpoint`, calls) are entered,
-so the culprit is a primitive; control flow (`cond`, `while`, `scan`) is
-evaluated as one equation.
+whose ``-inf`` reaches the outputs), then an op that made a NaN of an inf.
+Sub-jaxprs (`jit`, `custom_jvp`, `checkpoint`, calls) are entered, so the
+culprit is a primitive; control flow (`cond`, `while`, `scan`) is evaluated
+as one equation.
 
 Module paths come from the name stack: `jax.named_scope` scopes, which
 `jmp_amp.flax.numerics` puts around every Flax module call as ``@a.b.c``

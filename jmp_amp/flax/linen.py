@@ -19,8 +19,9 @@ policies are applied around `apply`, with public Flax tools only:
 Flax layers whose ``dtype`` is None (the default) compute in the dtype of
 their inputs and params, so they follow the policy; a layer given an explicit
 ``dtype`` keeps it, on inputs and params rounded to the policy's compute
-dtype, and `apply_with_policies` warns, naming it. Variables of other collections (BatchNorm's
-``batch_stats``) are neither cast nor re-typed: they stay float32.
+dtype, and `apply_with_policies` warns, naming it. Variables of other
+collections (BatchNorm's ``batch_stats``) are neither cast nor re-typed: they
+stay float32.
 `init_with_policies` creates the params in each policy's param dtype.
 
 Limits: methods other than ``__call__``/``attend`` run without boundary
