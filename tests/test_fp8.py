@@ -261,8 +261,8 @@ def test_einsum_as_one_dot_general_matches_jnp_einsum(spec, lhs, rhs):
   rng = np.random.default_rng(0)
   a = rng.standard_normal(lhs).astype(np.float32)
   b = rng.standard_normal(rhs).astype(np.float32)
-  a_sum, b_sum, dims, perm = dot_dims.einsum_as_dot_general(spec, a.ndim,
-                                                           b.ndim)
+  a_sum, b_sum, dims, perm = dot_dims.einsum_as_dot_general(spec, a.shape,
+                                                           b.shape)
   got = jnp.transpose(jax.lax.dot_general(
       a.sum(axis=a_sum), b.sum(axis=b_sum), dims), perm)
   np.testing.assert_allclose(got, np.einsum(spec, a, b), rtol=1e-5,
@@ -271,9 +271,9 @@ def test_einsum_as_one_dot_general_matches_jnp_einsum(spec, lhs, rhs):
 
 def test_einsum_refuses_diagonals_and_wrong_ranks():
   with pytest.raises(ValueError, match="a diagonal"):
-    dot_dims.einsum_as_dot_general("aab,bc->ac", 3, 2)
+    dot_dims.einsum_as_dot_general("aab,bc->ac", (2, 2, 3), (3, 4))
   with pytest.raises(ValueError, match="the second operand has rank 3"):
-    dot_dims.einsum_as_dot_general("ab,bc->ac", 2, 3)
+    dot_dims.einsum_as_dot_general("ab,bc->ac", (2, 3), (3, 4, 5))
   with pytest.raises(ValueError, match="two-operand einsum string"):
     jmp_amp.fp8.einsum("ab->a", jnp.ones((2, 3)), jnp.ones((3,)))
 

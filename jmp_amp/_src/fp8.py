@@ -129,8 +129,11 @@ def _fp8_dtype(dtype: Any, name: str) -> np.dtype:
 def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
   """The float32 scale that maps `amax` to the format's largest value.
 
-  ``scale = amax * 2**margin / fp8_max(dtype)``; a zero or non-finite `amax`
-  gives scale 1 (so an all-zero tensor quantizes to zeros, not NaN).
+  ``scale = amax * 2**margin / fp8_max(dtype)``, at least float32's
+  smallest normal number (a smaller scale would be subnormal, which XLA:CPU
+  flushes to zero, and the tensor would quantize to NaN); a zero or
+  non-finite `amax` gives scale 1 (so an all-zero tensor quantizes to
+  zeros, not NaN).
 
   Args:
     amax: largest magnitude of the tensor (a float scalar array).
@@ -141,7 +144,8 @@ def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
     A float32 scalar: the value one FP8 unit stands for.
   """
   amax = jnp.asarray(amax, jnp.float32)
-  scale = amax * np.float32(2.0 ** margin / fp8_max(dtype))
+  scale = lax.max(amax * np.float32(2.0 ** margin / fp8_max(dtype)),
+                  np.float32(np.finfo(np.float32).tiny))
   ok = lax.is_finite(amax) & (amax > 0)
   # lax.select, not jnp.where: no nested jit per call (compile time).
   return lax.select(ok, scale, jnp.ones_like(scale))
@@ -194,9 +198,16 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
 
 def dequantize(q: jax.Array, scale: jax.Array,
                dtype: Any = jnp.bfloat16) -> jax.Array:
-  """``q * scale`` in `dtype` (the inverse of `quantize`, up to rounding)."""
+  """``q * scale`` in `dtype` (the inverse of `quantize`, up to rounding).
+
+  Multiplied in bfloat16 for bfloat16 (the pattern cuDNN's FP8 convolution
+  recognises), else in float32: a small scale is zero in float16.
+  """
   dtype = np.dtype(dtype)
-  return q.astype(dtype) * jnp.asarray(scale, jnp.float32).astype(dtype)
+  scale = jnp.asarray(scale, jnp.float32)
+  if dtype == jnp.bfloat16:
+    return q.astype(dtype) * scale.astype(dtype)
+  return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def update_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
@@ -229,8 +240,10 @@ class FP8Recipe:
       ``"rowwise"`` it only records the last steps' whole-tensor amax for
       monitoring; 1 is enough).
     margin: scales are multiplied by ``2**margin`` (headroom against growth).
-    compute_dtype: dtype the quantized operands are dequantized to and the
-      matmul returns (bfloat16: the FP8 GEMM's output dtype on GPU).
+    compute_dtype: dtype the matmul returns (bfloat16, the FP8 GEMM's
+      output dtype on GPU; for float16 or float32 the GEMM writes float32
+      and the scaled result is rounded once) and the convolutions compute
+      in.
     fwd_dtype: FP8 dtype of the forward operands.
     bwd_dtype: FP8 dtype of the output gradient.
 
