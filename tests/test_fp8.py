@@ -990,45 +990,68 @@ def test_make_train_step_updates_fp8_histories_under_loss_scaling():
 
 
 def _jit_options_of_steps(model_rules, autocast=None, **step_kwargs):
-  """The compiler_options each jax.jit of make_train_step's step got: one
-  MLP without and one with `model_rules`, trained by one step function."""
+  """The compiler_options each jax.jit of make_train_step's step got when
+  it ran, compiling for CUDA: one MLP without and one with `model_rules`,
+  trained by one step function."""
   from unittest import mock  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax  # pylint: disable=g-import-not-at-top
-  step = jmp_amp.flax.make_train_step(
-      lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast,
-      **step_kwargs)
   batch = (jnp.ones((4, 8)), jnp.zeros((4, 2)))
   options = []
-  with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
-    for rules in (None, model_rules):
-      model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
-      if rules is not None:
-        jmp_amp.flax.set_policies(model, rules)
-      opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
-          optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
-      calls = spy.call_count
-      assert np.isfinite(float(step(model, opt, batch)["loss"]))
-      options.append([c.kwargs["compiler_options"]
-                      for c in spy.call_args_list[calls:]
-                      if "compiler_options" in c.kwargs])
+  # Compiled for CUDA as far as the options go (XLA:CPU ignores them).
+  with mock.patch.object(fp8, "_platform", return_value="cuda"):
+    step = jmp_amp.flax.make_train_step(
+        lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast,
+        **step_kwargs)
+    with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
+      for rules in (None, model_rules):
+        model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
+        if rules is not None:
+          jmp_amp.flax.set_policies(model, rules)
+        opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+            optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+        calls = spy.call_count
+        assert np.isfinite(float(step(model, opt, batch)["loss"]))
+        options.append([c.kwargs["compiler_options"]
+                        for c in spy.call_args_list[calls:]
+                        if "compiler_options" in c.kwargs])
   return options
 
 
-def test_make_train_step_compiles_fp8_layers_with_triton_gemms_off():
+def test_make_train_step_compiles_fp8_gemms_with_triton_gemms_off():
   # On a real H200 XLA's autotuner spent 50-120 s timing Triton kernels for
   # FP8 GEMMs and then chose cuBLAS for all of them; FP8 steps skip that.
   off = {"xla_gpu_enable_triton_gemm": False}
-  assert fp8.FP8_COMPILER_OPTIONS == off
-  plain, with_fp8 = _jit_options_of_steps("float8")
-  assert plain == [None] and with_fp8 == [off]
+  assert jmp_amp.fp8.compiler_options(platform="cuda") == off
+  for platform in ("cpu", "tpu", "rocm"):
+    assert jmp_amp.fp8.compiler_options(platform=platform) == {}
+  # A step without FP8 GEMMs runs the jitted step made with the user's
+  # options; one with FP8 GEMMs gets another, with `off`.
+  assert _jit_options_of_steps("float8") == [[], [off]]
   # The user's options are kept, and win where they say otherwise.
   mine = {"xla_backend_optimization_level": 1}
   assert _jit_options_of_steps("float8", compiler_options=mine) == [
-      [mine], [{**off, **mine}]]
+      [], [{**off, **mine}]]
   tuned = {"xla_gpu_enable_triton_gemm": True}
   assert _jit_options_of_steps("float8", compiler_options=tuned)[1] == [tuned]
-  # Op-level FP8 autocast too, for every model.
+  # Op-level FP8 autocast too, in every form: the traced program decides.
   assert _jit_options_of_steps(None, autocast="float8") == [[off], []]
+  partial = functools.partial(jmp_amp.autocast, policy_or_dtype="float8")
+  assert _jit_options_of_steps(None, autocast=partial) == [[off], []]
+  assert _jit_options_of_steps(None, autocast="bfloat16") == [[], []]
+
+
+def test_compiler_options_reads_the_traced_program():
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  plain = jax.jit(jnp.matmul).trace(x, w)
+  in_fp8 = jax.jit(jax.grad(lambda x, w: jmp_amp.fp8.dot_general(
+      x, w, MATMUL).astype(jnp.float32).sum())).trace(x, w)
+  off = {"xla_gpu_enable_triton_gemm": False}
+  assert jmp_amp.fp8.compiler_options(plain, platform="cuda") == {}
+  assert jmp_amp.fp8.compiler_options(in_fp8, platform="cuda") == off
+  assert jmp_amp.fp8.compiler_options(in_fp8.jaxpr, platform="cuda") == off
+  assert jmp_amp.fp8.compiler_options(in_fp8, platform="cpu") == {}
+  with pytest.raises(TypeError, match="traced program"):
+    jmp_amp.fp8.compiler_options("float8", platform="cuda")
 
 
 # --------------------------------------------------------------------------

@@ -112,8 +112,8 @@ def test_einsum_broadcasts_batch_dimensions_like_jnp_einsum():
 
 
 def test_einsum_refuses_sizes_that_do_not_broadcast():
-  with pytest.raises(ValueError, match=r"index '\.\.\.' has size 2 in the first "
-                     "operand and 3 in the second"):
+  with pytest.raises(ValueError, match=r"index '\.\.\.' has size 2 in the "
+                     "first operand and 3 in the second"):
     jmp_amp.fp8.einsum("...ij,...jk->...ik", jnp.ones((2, 4, 5)),
                        jnp.ones((3, 5, 6)))
 
