@@ -1039,6 +1039,33 @@ def test_make_train_step_compiles_fp8_gemms_with_triton_gemms_off():
   assert _jit_options_of_steps(None, autocast="bfloat16") == [[], []]
 
 
+@pytest.mark.parametrize("autocast,fp8_gemms", [
+    ("float8", True),
+    (functools.partial(jmp_amp.autocast, policy_or_dtype="float8"), True),
+    ("mixed_bfloat16", False)], ids=["name", "partial", "bf16"])
+def test_make_linen_train_step_reads_fp8_gemms_from_the_traced_step(
+    autocast, fp8_gemms):
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  module = flax.linen.Dense(4)
+  x, y = jnp.ones((8, 16)), jnp.zeros((8, 4))
+  state = jmp_amp.flax.train.TrainState.create(
+      apply_fn=module.apply, params=module.init(jax.random.key(0), x)[
+          "params"],
+      tx=jmp_amp.loss_scaling(optax.sgd(0.1), jmp_amp.NoOpLossScale()))
+  loss_fn = lambda model, batch: jnp.mean(
+      (model(batch[0]).astype(jnp.float32) - batch[1]) ** 2)
+  with mock.patch.object(fp8, "_platform", return_value="cuda"):
+    step = jmp_amp.flax.make_linen_train_step(loss_fn, autocast=autocast)
+    with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
+      _, metrics = step(state, (x, y))
+  assert np.isfinite(float(metrics["loss"]))
+  options = [c.kwargs["compiler_options"] for c in spy.call_args_list
+             if "compiler_options" in c.kwargs]
+  assert options == ([{"xla_gpu_enable_triton_gemm": False}] if fp8_gemms
+                     else [])
+
+
 def test_compiler_options_reads_the_traced_program():
   x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
   plain = jax.jit(jnp.matmul).trace(x, w)
