@@ -29,9 +29,9 @@ Example:
   [1.5, 1.5, 1.5, 1.5]
 """
 
-from jmp_amp._src.fp8 import compiler_options
 from jmp_amp._src.fp8 import FP8Recipe
 from jmp_amp._src.fp8 import FP8State
+from jmp_amp._src.fp8_compile import compiler_options
 from jmp_amp._src.fp8_ops import conv_general_dilated
 from jmp_amp._src.fp8_ops import dot_general
 from jmp_amp._src.fp8_ops import einsum

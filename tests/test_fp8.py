@@ -21,6 +21,7 @@ import jmp_amp
 import jmp_amp.flax
 from jmp_amp._src import dot_dims
 from jmp_amp._src import fp8
+from jmp_amp._src import fp8_compile
 from jmp_amp._src import fp8_ops
 from jmp_amp.flax import _fp8_op as fp8_layers
 from jmp_amp.flax import fp8 as flax_fp8
@@ -997,7 +998,7 @@ def _jit_options_of_steps(model_rules, autocast=None, **step_kwargs):
   batch = (jnp.ones((4, 8)), jnp.zeros((4, 2)))
   options = []
   # Compiled for CUDA as far as the options go (XLA:CPU ignores them).
-  with mock.patch.object(fp8, "_platform", return_value="cuda"):
+  with mock.patch.object(fp8_compile, "_platform", return_value="cuda"):
     step = jmp_amp.flax.make_train_step(
         lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast,
         **step_kwargs)
@@ -1055,7 +1056,7 @@ def test_make_linen_train_step_reads_fp8_gemms_from_the_traced_step(
       tx=jmp_amp.loss_scaling(optax.sgd(0.1), jmp_amp.NoOpLossScale()))
   loss_fn = lambda model, batch: jnp.mean(
       (model(batch[0]).astype(jnp.float32) - batch[1]) ** 2)
-  with mock.patch.object(fp8, "_platform", return_value="cuda"):
+  with mock.patch.object(fp8_compile, "_platform", return_value="cuda"):
     step = jmp_amp.flax.make_linen_train_step(loss_fn, autocast=autocast)
     with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
       _, metrics = step(state, (x, y))

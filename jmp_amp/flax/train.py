@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 
 import jmp_amp
-from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src import fp8_compile
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
@@ -263,7 +263,7 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
     metrics = step(model, optimizer, batch)
     return nnx.state((model, optimizer)), metrics
 
-  jitted = fp8_lib.step_jit(
+  jitted = fp8_compile.step_jit(
       pure, options=compiler_options, key=lambda graphdef, *_: graphdef,
       static_argnums=0, donate_argnums=(1,) if donate else ())
   check_replicas = _step_checks.replica_check(_step_checks.optax_state)
@@ -408,7 +408,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
   if not jit:
     return step
-  jitted = fp8_lib.step_jit(step, options=compiler_options,
+  jitted = fp8_compile.step_jit(step, options=compiler_options,
                             donate_argnums=(0,) if donate else ())
   if jax.process_count() == 1:
     return jitted
