@@ -113,7 +113,8 @@ def step_jit(fun, *, options: Optional[dict[str, Any]] = None, key=None,
   has FP8 GEMMs and compiles for CUDA, decided once per ``key(*args)``.
 
   Off CUDA it is that plain `jax.jit` (the options would be ``{}``). The
-  returned function has ``lower(*args)`` as a jitted function does.
+  returned function has ``lower(*args)`` and ``trace(*args)`` as a jitted
+  function does.
   """
   plain = jax.jit(fun, compiler_options=options, **jit_kwargs)
   extra = compiler_options()
@@ -140,4 +141,5 @@ def step_jit(fun, *, options: Optional[dict[str, Any]] = None, key=None,
     return pick(*args)(*args)
 
   run.lower = lambda *args: pick(*args).lower(*args)
+  run.trace = lambda *args: pick(*args).trace(*args)
   return run
