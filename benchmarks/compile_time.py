@@ -227,9 +227,9 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
     return nnx.state((m, o)), metrics
   graphdef, state = nnx.split((model, optimizer))
   # Compiled as make_train_step compiles it: Triton GEMMs off for FP8.
-  from jmp_amp._src import fp8 as fp8_lib  # pylint: disable=import-outside-toplevel
   from jmp_amp.flax import _step_parts  # pylint: disable=import-outside-toplevel
-  options = fp8_lib.compiler_options(None, _step_parts.has_fp8_gemms(model))
+  options = (jmp_amp.fp8.compiler_options(platform="cuda")
+             if _step_parts.has_fp8_gemms(model) else None)
   return (jax.jit(pure, static_argnums=0, compiler_options=options),
           (graphdef, state, tokens))
 
@@ -454,6 +454,14 @@ def main(argv=None):
   if device == "gpu":
     report["env"]["device"] = jax.devices()[0].device_kind
   whole_step = a.workloads in (*FEATURE_WORKLOADS, "gpt-scanned")
+  if whole_step and device != "cpu":
+    # FP8 variants compile as make_train_step compiles them on a CUDA GPU.
+    report["env"]["target"] = report["env"]["target"].replace(
+        "XLA's default options", "XLA's default options, FP8 variants with "
+        "Triton GEMMs off (fp8_gemm_options, as make_train_step compiles "
+        "them)")
+    report["env"]["fp8_gemm_options"] = jmp_amp.fp8.compiler_options(
+        platform="cuda")
   report["method"] = (
       "wall seconds of jax.jit(step).trace().lower().compile() of each "
       "variant's whole GPT train step on the local GPU at XLA's default "

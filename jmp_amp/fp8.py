@@ -11,6 +11,9 @@ GEMMs under its default options (Triton) and with cuBLAS, and cuDNN FP8
 convolutions; elsewhere they compute with the FP8-rounded values, so the
 numerics are FP8's on every backend.
 
+`compiler_options` gives the XLA options a program with FP8 GEMMs compiles
+with on a CUDA GPU (``{}`` elsewhere).
+
 Flax models get FP8 through a rule value of `jmp_amp.flax.set_policies`
 (``"float8"``, or ``jmp_amp.flax.fp8.FP8Policy(recipe)``), plain functions
 through ``jmp_amp.autocast(fn, "float8")``.
@@ -28,6 +31,7 @@ Example:
 
 from jmp_amp._src.fp8 import FP8Recipe
 from jmp_amp._src.fp8 import FP8State
+from jmp_amp._src.fp8_compile import compiler_options
 from jmp_amp._src.fp8_ops import conv_general_dilated
 from jmp_amp._src.fp8_ops import dot_general
 from jmp_amp._src.fp8_ops import einsum
@@ -35,6 +39,7 @@ from jmp_amp._src.fp8_ops import einsum
 __all__ = (
     "FP8Recipe",
     "FP8State",
+    "compiler_options",
     "conv_general_dilated",
     "dot_general",
     "einsum",

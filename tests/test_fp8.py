@@ -21,6 +21,7 @@ import jmp_amp
 import jmp_amp.flax
 from jmp_amp._src import dot_dims
 from jmp_amp._src import fp8
+from jmp_amp._src import fp8_compile
 from jmp_amp._src import fp8_ops
 from jmp_amp.flax import _fp8_op as fp8_layers
 from jmp_amp.flax import fp8 as flax_fp8
@@ -261,8 +262,8 @@ def test_einsum_as_one_dot_general_matches_jnp_einsum(spec, lhs, rhs):
   rng = np.random.default_rng(0)
   a = rng.standard_normal(lhs).astype(np.float32)
   b = rng.standard_normal(rhs).astype(np.float32)
-  a_sum, b_sum, dims, perm = dot_dims.einsum_as_dot_general(spec, a.ndim,
-                                                           b.ndim)
+  a_sum, b_sum, dims, perm = dot_dims.einsum_as_dot_general(spec, a.shape,
+                                                           b.shape)
   got = jnp.transpose(jax.lax.dot_general(
       a.sum(axis=a_sum), b.sum(axis=b_sum), dims), perm)
   np.testing.assert_allclose(got, np.einsum(spec, a, b), rtol=1e-5,
@@ -271,9 +272,9 @@ def test_einsum_as_one_dot_general_matches_jnp_einsum(spec, lhs, rhs):
 
 def test_einsum_refuses_diagonals_and_wrong_ranks():
   with pytest.raises(ValueError, match="a diagonal"):
-    dot_dims.einsum_as_dot_general("aab,bc->ac", 3, 2)
+    dot_dims.einsum_as_dot_general("aab,bc->ac", (2, 2, 3), (3, 4))
   with pytest.raises(ValueError, match="the second operand has rank 3"):
-    dot_dims.einsum_as_dot_general("ab,bc->ac", 2, 3)
+    dot_dims.einsum_as_dot_general("ab,bc->ac", (2, 3), (3, 4, 5))
   with pytest.raises(ValueError, match="two-operand einsum string"):
     jmp_amp.fp8.einsum("ab->a", jnp.ones((2, 3)), jnp.ones((3,)))
 
@@ -554,7 +555,7 @@ def test_fp8_module_knobs_state_and_clear():
   model = jmp_amp.flax.set_policies(_mlp(), rules)
   layer = model.layers[1]
   assert isinstance(layer.dot_general, fp8_layers.FP8Op)
-  assert isinstance(layer.dot_general, fp8_layers.FP8DotGeneral)
+  assert layer.dot_general.knob == "dot_general"
   assert layer.dtype == jnp.bfloat16
   assert layer.kernel[...].dtype == jnp.float32  # master weights
   policy = jmp_amp.flax.get_policies(layer)[""]
@@ -766,8 +767,7 @@ def test_einsum_and_conv_run_in_fp8(make, x_shape):
       recipe, keep_first_last=False))
   knob = {nnx.Einsum: "einsum_op", nnx.Conv: "conv_general_dilated"}
   op = getattr(module, knob[type(module)])
-  assert type(op) is {nnx.Einsum: fp8_layers.FP8Einsum,
-                      nnx.Conv: fp8_layers.FP8ConvGeneralDilated}[type(module)]
+  assert type(op) is fp8_layers.FP8Op and op.knob == knob[type(module)]
   y = module(x)
   assert y.dtype == jnp.bfloat16
   # Against float32 on the same E4M3-rounded input and kernel, plus the
@@ -990,45 +990,95 @@ def test_make_train_step_updates_fp8_histories_under_loss_scaling():
 
 
 def _jit_options_of_steps(model_rules, autocast=None, **step_kwargs):
-  """The compiler_options each jax.jit of make_train_step's step got: one
-  MLP without and one with `model_rules`, trained by one step function."""
+  """The compiler_options each jax.jit of make_train_step's step got when
+  it ran, compiling for CUDA: one MLP without and one with `model_rules`,
+  trained by one step function."""
   from unittest import mock  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax  # pylint: disable=g-import-not-at-top
-  step = jmp_amp.flax.make_train_step(
-      lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast,
-      **step_kwargs)
   batch = (jnp.ones((4, 8)), jnp.zeros((4, 2)))
   options = []
-  with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
-    for rules in (None, model_rules):
-      model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
-      if rules is not None:
-        jmp_amp.flax.set_policies(model, rules)
-      opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
-          optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
-      calls = spy.call_count
-      assert np.isfinite(float(step(model, opt, batch)["loss"]))
-      options.append([c.kwargs["compiler_options"]
-                      for c in spy.call_args_list[calls:]
-                      if "compiler_options" in c.kwargs])
+  # Compiled for CUDA as far as the options go (XLA:CPU ignores them).
+  with mock.patch.object(fp8_compile, "_platform", return_value="cuda"):
+    step = jmp_amp.flax.make_train_step(
+        lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast,
+        **step_kwargs)
+    with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
+      for rules in (None, model_rules):
+        model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
+        if rules is not None:
+          jmp_amp.flax.set_policies(model, rules)
+        opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+            optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+        calls = spy.call_count
+        assert np.isfinite(float(step(model, opt, batch)["loss"]))
+        options.append([c.kwargs["compiler_options"]
+                        for c in spy.call_args_list[calls:]
+                        if "compiler_options" in c.kwargs])
   return options
 
 
-def test_make_train_step_compiles_fp8_layers_with_triton_gemms_off():
+def test_make_train_step_compiles_fp8_gemms_with_triton_gemms_off():
   # On a real H200 XLA's autotuner spent 50-120 s timing Triton kernels for
   # FP8 GEMMs and then chose cuBLAS for all of them; FP8 steps skip that.
   off = {"xla_gpu_enable_triton_gemm": False}
-  assert fp8.FP8_COMPILER_OPTIONS == off
-  plain, with_fp8 = _jit_options_of_steps("float8")
-  assert plain == [None] and with_fp8 == [off]
+  assert jmp_amp.fp8.compiler_options(platform="cuda") == off
+  for platform in ("cpu", "tpu", "rocm"):
+    assert jmp_amp.fp8.compiler_options(platform=platform) == {}
+  # A step without FP8 GEMMs runs the jitted step made with the user's
+  # options; one with FP8 GEMMs gets another, with `off`.
+  assert _jit_options_of_steps("float8") == [[], [off]]
   # The user's options are kept, and win where they say otherwise.
   mine = {"xla_backend_optimization_level": 1}
   assert _jit_options_of_steps("float8", compiler_options=mine) == [
-      [mine], [{**off, **mine}]]
+      [], [{**off, **mine}]]
   tuned = {"xla_gpu_enable_triton_gemm": True}
   assert _jit_options_of_steps("float8", compiler_options=tuned)[1] == [tuned]
-  # Op-level FP8 autocast too, for every model.
+  # Op-level FP8 autocast too, in every form: the traced program decides.
   assert _jit_options_of_steps(None, autocast="float8") == [[off], []]
+  partial = functools.partial(jmp_amp.autocast, policy_or_dtype="float8")
+  assert _jit_options_of_steps(None, autocast=partial) == [[off], []]
+  assert _jit_options_of_steps(None, autocast="bfloat16") == [[], []]
+
+
+@pytest.mark.parametrize("autocast,fp8_gemms", [
+    ("float8", True),
+    (functools.partial(jmp_amp.autocast, policy_or_dtype="float8"), True),
+    ("mixed_bfloat16", False)], ids=["name", "partial", "bf16"])
+def test_make_linen_train_step_reads_fp8_gemms_from_the_traced_step(
+    autocast, fp8_gemms):
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  module = flax.linen.Dense(4)
+  x, y = jnp.ones((8, 16)), jnp.zeros((8, 4))
+  state = jmp_amp.flax.train.TrainState.create(
+      apply_fn=module.apply, params=module.init(jax.random.key(0), x)[
+          "params"],
+      tx=jmp_amp.loss_scaling(optax.sgd(0.1), jmp_amp.NoOpLossScale()))
+  loss_fn = lambda model, batch: jnp.mean(
+      (model(batch[0]).astype(jnp.float32) - batch[1]) ** 2)
+  with mock.patch.object(fp8_compile, "_platform", return_value="cuda"):
+    step = jmp_amp.flax.make_linen_train_step(loss_fn, autocast=autocast)
+    with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
+      _, metrics = step(state, (x, y))
+  assert np.isfinite(float(metrics["loss"]))
+  options = [c.kwargs["compiler_options"] for c in spy.call_args_list
+             if "compiler_options" in c.kwargs]
+  assert options == ([{"xla_gpu_enable_triton_gemm": False}] if fp8_gemms
+                     else [])
+
+
+def test_compiler_options_reads_the_traced_program():
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  plain = jax.jit(jnp.matmul).trace(x, w)
+  in_fp8 = jax.jit(jax.grad(lambda x, w: jmp_amp.fp8.dot_general(
+      x, w, MATMUL).astype(jnp.float32).sum())).trace(x, w)
+  off = {"xla_gpu_enable_triton_gemm": False}
+  assert jmp_amp.fp8.compiler_options(plain, platform="cuda") == {}
+  assert jmp_amp.fp8.compiler_options(in_fp8, platform="cuda") == off
+  assert jmp_amp.fp8.compiler_options(in_fp8.jaxpr, platform="cuda") == off
+  assert jmp_amp.fp8.compiler_options(in_fp8, platform="cpu") == {}
+  with pytest.raises(TypeError, match="traced program"):
+    jmp_amp.fp8.compiler_options("float8", platform="cuda")
 
 
 # --------------------------------------------------------------------------

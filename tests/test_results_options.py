@@ -62,3 +62,23 @@ def test_cublas_figures_say_so():
     data = json.loads(path.read_text())
     assert data["gemm"] == "cublas", path.name
     assert data["label"] == gpu_target.label("h100", "cublas"), path.name
+
+
+def _variants(data):
+  workloads = data.get("workloads", [data])
+  return [name for w in workloads for name in w.get("results", {})]
+
+
+@pytest.mark.parametrize("name", sorted(
+    p.name for p in RESULTS.glob("compile_time*_h100.json")))
+def test_fp8_variants_say_which_options_they_compiled_with(name):
+  """FP8 steps compile as make_train_step compiles them, with
+  `jmp_amp.fp8.compiler_options()` for a CUDA GPU: a file with FP8
+  variants records those options and says so in its label."""
+  data = _load(name)
+  env = data["env"]
+  if not any(v.startswith("fp8") for v in _variants(data)):
+    assert "fp8_gemm_options" not in env, name
+    return
+  assert env["fp8_gemm_options"] == {"xla_gpu_enable_triton_gemm": False}
+  assert "FP8 variants with Triton GEMMs off" in env["target"], name

@@ -211,11 +211,39 @@ def test_fp8_histories_are_stacked_per_layer_and_train(recipe):
           for i in range(LAYERS)] == lhs[:, 0].tolist()
 
 
-def test_fp8_first_last_of_a_scanned_stack_raises():
+def test_fp8_default_keeps_the_first_and_last_outside_the_stack():
+  # The first and last matmul modules (block 0's qkv, block 2's mlp/out)
+  # lie in the stack, which runs every block: the stack runs in FP8; the
+  # tied head (the embedding's attend, no FP8 module) stays bfloat16.
+  plain, model = models()
+  jmp_amp.flax.set_policies(model, {"*": "float8"}, example_args=(TOKENS,))
+  assert sorted(jmp_amp.flax.fp8.histories(model)) == [
+      "blocks/attn/proj", "blocks/attn/qkv", "blocks/mlp/fc",
+      "blocks/mlp/out"]
+  assert str(jmp_amp.flax.get_policies(model)["embed"]) == (
+      "p=f32,c=bf16,o=bf16")
+  # The unscanned model keeps its first and last in bfloat16.
+  jmp_amp.flax.set_policies(plain, {"*": "float8"}, example_args=(TOKENS,))
+  kept = {"blocks/0/attn/qkv", f"blocks/{LAYERS - 1}/mlp/out"}
+  assert not kept & set(jmp_amp.flax.fp8.histories(plain))
+  assert len(jmp_amp.flax.fp8.histories(plain)) == 4 * LAYERS - 2
+
+
+@pytest.mark.slow  # a train-step compile: ~20-60 s
+def test_fp8_default_on_a_scanned_gpt_trains_in_a_hand_written_step():
   _, model = models()
-  with pytest.raises(ValueError, match=r"'blocks/attn/qkv' is stacked .*"
-                     r"keep_first_last=False"):
-    jmp_amp.flax.set_policies(model, {"*": "float8"}, example_args=(TOKENS,))
+  jmp_amp.flax.set_policies(model, {"*": "float8"}, example_args=(TOKENS,))
+  opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, tokens):
+    loss, grads = jmp_amp.flax.fp8.value_and_grad(
+        lambda m: loss_fn(m, tokens))(model)
+    opt.update(model, grads)
+    return loss
+
+  losses = [float(step(model, opt, TOKENS)) for _ in range(3)]
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
 # --------------------------------------------------------------------------

@@ -14,8 +14,9 @@ FP8 operands or cuBLAS's (``__cublas$lt$matmul$f8``): ``f8e4m3fn x f8e4m3fn``
 forward, ``f8e5m2 x f8e4m3fn`` and ``f8e4m3fn x f8e5m2`` backward, with
 float32 accumulation. On a real H200 under XLA's default options the
 autotuner chose cuBLAS for every FP8 GEMM of the benchmarks, after timing
-Triton configurations for a minute or two per step; jmp_amp's own jitted
-steps therefore compile FP8 programs with `FP8_COMPILER_OPTIONS`. On CPU the
+Triton configurations for a minute or two per step;
+`jmp_amp._src.fp8_compile.compiler_options` gives the options that skip
+that. On CPU the
 same program runs with the rounded values, so its numerics can be tested
 anywhere.
 Convolutions keep the quantize -> dequantize pattern that cuDNN's graph
@@ -72,13 +73,6 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 FP8_DTYPES: tuple[np.dtype, ...] = (E4M3, E5M2)
 SCALINGS = ("current", "delayed", "rowwise")
-# The XLA options of a program with FP8 GEMMs. On a real H200 under XLA's
-# defaults (jax 0.11.2) the GEMM autotuner spent 50 to 120 s on the first
-# FP8 step it compiled, timing Triton configurations for every new FP8 GEMM,
-# then chose cuBLAS for every one; with Triton GEMMs off the same step
-# compiled in 5 s to the same cuBLAS FP8 GEMMs and ran as fast
-# (benchmarks/results/gpu_check_nvidia-h200*.json, docs/fp8.md).
-FP8_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 MAX_MARGIN = 16
 # Names that mean "FP8 matmuls" where a dtype or policy name is expected
 # (`jmp_amp.autocast`, Flax rules, `make_train_step(autocast=...)`).
@@ -88,15 +82,6 @@ FP8_NAMES = ("float8", "fp8", "f8")
 def is_fp8_name(value: Any) -> bool:
   """Whether `value` is a str naming FP8 ("float8", "fp8", "f8", any case)."""
   return isinstance(value, str) and value.strip().lower() in FP8_NAMES
-
-
-def compiler_options(user: Optional[dict[str, Any]],
-                     fp8: bool) -> Optional[dict[str, Any]]:
-  """The XLA options a jitted step compiles with: `user`'s, over
-  `FP8_COMPILER_OPTIONS` when the step has FP8 GEMMs (`user`'s win)."""
-  if not fp8:
-    return user
-  return {**FP8_COMPILER_OPTIONS, **(user or {})}
 
 
 def fp8_max(dtype: Any) -> float:
@@ -129,8 +114,11 @@ def _fp8_dtype(dtype: Any, name: str) -> np.dtype:
 def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
   """The float32 scale that maps `amax` to the format's largest value.
 
-  ``scale = amax * 2**margin / fp8_max(dtype)``; a zero or non-finite `amax`
-  gives scale 1 (so an all-zero tensor quantizes to zeros, not NaN).
+  ``scale = amax * 2**margin / fp8_max(dtype)``, at least float32's
+  smallest normal number (a smaller scale would be subnormal, which XLA:CPU
+  flushes to zero, and the tensor would quantize to NaN); a zero or
+  non-finite `amax` gives scale 1 (so an all-zero tensor quantizes to
+  zeros, not NaN).
 
   Args:
     amax: largest magnitude of the tensor (a float scalar array).
@@ -141,7 +129,8 @@ def compute_scale(amax: jax.Array, dtype: Any, margin: int = 0) -> jax.Array:
     A float32 scalar: the value one FP8 unit stands for.
   """
   amax = jnp.asarray(amax, jnp.float32)
-  scale = amax * np.float32(2.0 ** margin / fp8_max(dtype))
+  scale = lax.max(amax * np.float32(2.0 ** margin / fp8_max(dtype)),
+                  np.float32(np.finfo(np.float32).tiny))
   ok = lax.is_finite(amax) & (amax > 0)
   # lax.select, not jnp.where: no nested jit per call (compile time).
   return lax.select(ok, scale, jnp.ones_like(scale))
@@ -194,9 +183,16 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
 
 def dequantize(q: jax.Array, scale: jax.Array,
                dtype: Any = jnp.bfloat16) -> jax.Array:
-  """``q * scale`` in `dtype` (the inverse of `quantize`, up to rounding)."""
+  """``q * scale`` in `dtype` (the inverse of `quantize`, up to rounding).
+
+  Multiplied in bfloat16 for bfloat16 (the pattern cuDNN's FP8 convolution
+  recognises), else in float32: a small scale is zero in float16.
+  """
   dtype = np.dtype(dtype)
-  return q.astype(dtype) * jnp.asarray(scale, jnp.float32).astype(dtype)
+  scale = jnp.asarray(scale, jnp.float32)
+  if dtype == jnp.bfloat16:
+    return q.astype(dtype) * scale.astype(dtype)
+  return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def update_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
@@ -229,8 +225,10 @@ class FP8Recipe:
       ``"rowwise"`` it only records the last steps' whole-tensor amax for
       monitoring; 1 is enough).
     margin: scales are multiplied by ``2**margin`` (headroom against growth).
-    compute_dtype: dtype the quantized operands are dequantized to and the
-      matmul returns (bfloat16: the FP8 GEMM's output dtype on GPU).
+    compute_dtype: dtype the matmul returns (bfloat16, the FP8 GEMM's
+      output dtype on GPU; for float16 or float32 the GEMM writes float32
+      and the scaled result is rounded once) and the convolutions compute
+      in.
     fwd_dtype: FP8 dtype of the forward operands.
     bwd_dtype: FP8 dtype of the output gradient.
 

@@ -31,6 +31,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from jmp_amp._src import dot_dims
 from jmp_amp._src import fp8 as fp8_lib
@@ -38,29 +39,43 @@ from jmp_amp._src.fp8 import FP8Recipe
 from jmp_amp._src.fp8 import FP8State
 
 
-def _gemm(a, b, dims, precision, out_dtype=jnp.float32):
+def _gemm(a, b, dims, precision, out_dtype=jnp.float32, out_sharding=None):
   """The FP8 GEMM: FP8 operands, float32 accumulation, an `out_dtype`
-  result."""
+  result (laid out `out_sharding` under Explicit axes)."""
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
   return lax.dot_general(a, b, dims, precision=precision,
-                         preferred_element_type=out_dtype)
+                         preferred_element_type=out_dtype, **kwargs)
 
 
-def _rescale(y, scale, dtype):
-  """``y * scale`` in `dtype`, multiplied in float32."""
-  return (y.astype(jnp.float32) * scale).astype(dtype)
+def _scaled_gemm(a, b, dims, precision, scale_a, scale_b, dtype,
+                 out_sharding):
+  """``dot_general(a, b) * scale_a * scale_b`` as `dtype`.
+
+  The GEMM writes bfloat16 for a bfloat16 result (float32's range, the
+  scales fused in its epilogue), else float32: a float16 GEMM output would
+  overflow on the scaled operands' products (up to 448 x 448 each), and a
+  float32 result is accumulated, written and scaled in float32 (rounded
+  once). The scales multiply one after the other in float32, so that two
+  small scales do not flush to zero as their product would.
+  """
+  gemm_dtype = dtype if dtype == jnp.bfloat16 else np.dtype(np.float32)
+  y = _gemm(a, b, dims, precision, gemm_dtype, out_sharding)
+  return (y.astype(jnp.float32) * scale_a * scale_b).astype(dtype)
 
 
 # --------------------------------------------------------------------------
 # Per-tensor scaling (current, delayed).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _tensor_scaled(recipe, dims, precision, out_sharding, lhs, rhs, state):
-  return _tensor_fwd(recipe, dims, precision, out_sharding, lhs, rhs,
-                     state)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _tensor_scaled(recipe, dims, precision, out_sharding, out_dtype, lhs, rhs,
+                   state):
+  return _tensor_fwd(recipe, dims, precision, out_sharding, out_dtype, lhs,
+                     rhs, state)[0]
 
 
-def _tensor_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state):
+def _tensor_fwd(recipe, dims, precision, out_sharding, out_dtype, lhs, rhs,
+                state):
   fwd = recipe.fwd_dtype
   lhs_scale, new_lhs = fp8_lib.scale_of(lhs, state.lhs, fwd, recipe)
   rhs_scale, new_rhs = fp8_lib.scale_of(rhs, state.rhs, fwd, recipe)
@@ -70,18 +85,15 @@ def _tensor_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state):
   # XLA does not merge them into one GEMM the audit could not attribute.
   q_lhs = fp8_lib.quantize(fp8_lib.tie(lhs, rhs_scale), fwd, lhs_scale)
   q_rhs = fp8_lib.quantize(fp8_lib.tie(rhs, lhs_scale), fwd, rhs_scale)
-  # The GEMM returns the compute dtype (a bf16 GEMM output, as cuBLAS and
-  # Triton write it) and the scales multiply that, fused in its epilogue.
-  y = _rescale(_gemm(q_lhs, q_rhs, dims, precision, recipe.compute_dtype),
-               lhs_scale * rhs_scale, recipe.compute_dtype)
-  y = _constrain(y, out_sharding)
+  y = _scaled_gemm(q_lhs, q_rhs, dims, precision, lhs_scale, rhs_scale,
+                   out_dtype, out_sharding)
   res = (q_lhs, lhs_scale, q_rhs, rhs_scale, new_lhs, new_rhs, state.grad,
          jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
   return y, res
 
 
-def _tensor_bwd(recipe, dims, precision, out_sharding, res, g):
-  del out_sharding
+def _tensor_bwd(recipe, dims, precision, out_sharding, out_dtype, res, g):
+  del out_sharding, out_dtype
   (q_lhs, lhs_scale, q_rhs, rhs_scale, new_lhs, new_rhs, grad_history,
    like_lhs, like_rhs) = res
   g_scale, new_grad = fp8_lib.scale_of(g, grad_history, recipe.bwd_dtype,
@@ -89,10 +101,10 @@ def _tensor_bwd(recipe, dims, precision, out_sharding, res, g):
   q_g = fp8_lib.quantize(g, recipe.bwd_dtype, g_scale)
   (ldims, laxes), (rdims, raxes) = dot_dims.grad_dims(dims, q_lhs.ndim,
                                                       q_rhs.ndim)
-  dlhs = _rescale(_gemm(q_g, q_rhs, ldims, precision, like_lhs.dtype),
-                  g_scale * rhs_scale, like_lhs.dtype)
-  drhs = _rescale(_gemm(q_lhs, q_g, rdims, precision, like_rhs.dtype),
-                  g_scale * lhs_scale, like_rhs.dtype)
+  dlhs = _scaled_gemm(q_g, q_rhs, ldims, precision, g_scale, rhs_scale,
+                      like_lhs.dtype, dot_dims.grad_sharding(q_lhs, laxes))
+  drhs = _scaled_gemm(q_lhs, q_g, rdims, precision, lhs_scale, g_scale,
+                      like_rhs.dtype, dot_dims.grad_sharding(q_rhs, raxes))
   dlhs, drhs = jnp.transpose(dlhs, laxes), jnp.transpose(drhs, raxes)
   return dlhs, drhs, fp8_lib.FP8State(new_lhs, new_rhs, new_grad)
 
@@ -104,7 +116,8 @@ _tensor_scaled.defvjp(_tensor_fwd, _tensor_bwd)
 # Rowwise scaling: a scale per row of each GEMM operand.
 
 
-def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, margin, precision):
+def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, margin, precision,
+                    out_sharding=None):
   """``dot_general(a, b, dims)`` (float32) on rowwise-quantized operands,
   and the whole-tensor amax of `a` and `b`.
 
@@ -112,48 +125,54 @@ def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, margin, precision):
   (the scales keep its rank, size 1 along the contracted axes). The GEMM
   multiplies the FP8 tensors; the outer product of the scales, laid out as
   the result (batch, `a`'s kept, `b`'s kept), rescales it. Each operand is
-  tied to one of the other's scales (see `_tensor_fwd`); the whole-tensor
-  amaxes, for the histories, are the largest row amaxes.
+  tied to the other's whole-tensor amax (see `_tensor_fwd`); those amaxes,
+  for the histories, are the largest row amaxes.
   """
   (ac, bc), (ab, bb) = dims
   ak, bk = dot_dims.kept(a.ndim, ac, ab), dot_dims.kept(b.ndim, bc, bb)
   row_a, row_b = fp8_lib.amax(a, tuple(ac)), fp8_lib.amax(b, tuple(bc))
+  amax_a, amax_b = jnp.max(row_a), jnp.max(row_b)
   sa = fp8_lib.compute_scale(row_a, dtype_a, margin)
   sb = fp8_lib.compute_scale(row_b, dtype_b, margin)
-  qa = fp8_lib.quantize(fp8_lib.tie(a, sb.reshape(-1)[0]), dtype_a, sa)
-  qb = fp8_lib.quantize(fp8_lib.tie(b, sa.reshape(-1)[0]), dtype_b, sb)
-  y = _gemm(qa, qb, dims, precision)
+  qa = fp8_lib.quantize(fp8_lib.tie(a, amax_b), dtype_a, sa)
+  qb = fp8_lib.quantize(fp8_lib.tie(b, amax_a), dtype_b, sb)
+  y = _gemm(qa, qb, dims, precision, out_sharding=out_sharding)
   batch = [a.shape[i] for i in ab]
   sa = jnp.transpose(sa, list(ab) + ak + list(ac)).reshape(
       batch + [a.shape[i] for i in ak] + [1] * len(bk))
   sb = jnp.transpose(sb, list(bb) + bk + list(bc)).reshape(
       batch + [1] * len(ak) + [b.shape[i] for i in bk])
-  return y * sa * sb, jnp.max(row_a), jnp.max(row_b)
+  return y * dot_dims.like(sa, y) * dot_dims.like(sb, y), amax_a, amax_b
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _row_scaled(recipe, dims, precision, out_sharding, lhs, rhs, state):
-  return _row_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _row_scaled(recipe, dims, precision, out_sharding, out_dtype, lhs, rhs,
+                state):
+  return _row_fwd(recipe, dims, precision, out_sharding, out_dtype, lhs, rhs,
+                  state)[0]
 
 
-def _row_fwd(recipe, dims, precision, out_sharding, lhs, rhs, state):
+def _row_fwd(recipe, dims, precision, out_sharding, out_dtype, lhs, rhs,
+             state):
   fwd = recipe.fwd_dtype
   y, lhs_amax, rhs_amax = _row_scaled_dot(lhs, rhs, dims, fwd, fwd,
-                                          recipe.margin, precision)
+                                          recipe.margin, precision,
+                                          out_sharding)
   new = (fp8_lib.update_history(state.lhs, lhs_amax),
          fp8_lib.update_history(state.rhs, rhs_amax))
-  y = _constrain(y.astype(recipe.compute_dtype), out_sharding)
-  return y, (lhs, rhs, new, state.grad)
+  return y.astype(out_dtype), (lhs, rhs, new, state.grad)
 
 
-def _row_bwd(recipe, dims, precision, out_sharding, res, g):
-  del out_sharding
+def _row_bwd(recipe, dims, precision, out_sharding, out_dtype, res, g):
+  del out_sharding, out_dtype
   lhs, rhs, (new_lhs, new_rhs), grad_history = res
   fwd, bwd, margin = recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
   (ldims, laxes), (rdims, raxes) = dot_dims.grad_dims(dims, lhs.ndim, rhs.ndim)
   dlhs, g_amax, _ = _row_scaled_dot(g, rhs, ldims, bwd, fwd, margin,
-                                     precision)
-  drhs = _row_scaled_dot(lhs, g, rdims, fwd, bwd, margin, precision)[0]
+                                     precision,
+                                     dot_dims.grad_sharding(lhs, laxes))
+  drhs = _row_scaled_dot(lhs, g, rdims, fwd, bwd, margin, precision,
+                         dot_dims.grad_sharding(rhs, raxes))[0]
   dlhs, drhs = jnp.transpose(dlhs, laxes), jnp.transpose(drhs, raxes)
   new_grad = fp8_lib.update_history(grad_history, g_amax)
   return (dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype),
@@ -168,26 +187,40 @@ _row_scaled.defvjp(_row_fwd, _row_bwd)
 # traced and lowered in 0.5 s less, rowwise in 1 s less, on XLA:CPU). XLA
 # inlines the calls, naming each op under its call's scope, so the audit
 # still finds each FP8 GEMM's layer ("fp8[<path>]").
-_once = functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+_once = functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 _tensor_once = _once(_tensor_scaled)
 _row_once = _once(_row_scaled)
 
 
 def _constrain(y, out_sharding):
-  if out_sharding is None:
+  """`y` laid out as `out_sharding` under Auto axes (a sharding
+  constraint); under Explicit axes the GEMM took it already."""
+  if out_sharding is None or dot_dims.explicit_out(out_sharding):
     return y
   return lax.with_sharding_constraint(y, out_sharding)
+
+
+def _out_dtype(what, preferred_element_type, recipe) -> np.dtype:
+  if preferred_element_type is None:
+    return recipe.compute_dtype
+  dtype = np.dtype(preferred_element_type)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{what}: preferred_element_type must be a floating "
+                    f"dtype (the FP8 GEMMs accumulate in float32), got "
+                    f"{preferred_element_type!r}")
+  return dtype
 
 
 def _scaled_dot(what, lhs, rhs, dims, precision, preferred_element_type,
                 state, recipe, out_sharding):
   lhs, rhs = fp8_lib.check_operands(what, lhs, rhs)
   state = fp8_lib.check_state(what, state, recipe)
+  out_dtype = _out_dtype(what, preferred_element_type, recipe)
   impl = _row_once if recipe.scaling == "rowwise" else _tensor_once
-  y = impl(recipe, dot_dims.norm_dims(dims), precision, out_sharding, lhs,
-           rhs, state)
-  return y if preferred_element_type is None else y.astype(
-      preferred_element_type)
+  gemm_sharding = out_sharding if dot_dims.explicit_out(out_sharding) else None
+  y = impl(recipe, dot_dims.norm_dims(dims), precision, gemm_sharding,
+           out_dtype, lhs, rhs, state)
+  return _constrain(y, out_sharding)
 
 
 # --------------------------------------------------------------------------
@@ -206,7 +239,11 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   multiplies the FP8 tensors with float32 accumulation, and the output's
   cotangent is quantized to ``recipe.bwd_dtype`` (E5M2) for the backward
   GEMMs. The result is ``preferred_element_type`` if given, else the
-  recipe's compute dtype (bfloat16).
+  recipe's compute dtype (bfloat16). For a bfloat16 result the GEMM writes
+  bfloat16 and the scales multiply that; for any other (float32, float16)
+  it writes float32, the scales multiply in float32, and the product is
+  rounded once to the result's dtype. The backward GEMMs are FP8 whatever
+  the result's dtype; each gradient has its operand's dtype.
 
   Example:
     >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
@@ -216,7 +253,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
 
   Args:
     lhs, rhs, dimension_numbers, precision, preferred_element_type,
-      out_sharding: as for `lax.dot_general`.
+      out_sharding: as for `lax.dot_general` (under Explicit mesh axes
+      the GEMM writes `out_sharding`, and each gradient keeps its
+      operand's sharding).
     state: the amax histories (`FP8State`); its updated value arrives as its
       gradient. Required for delayed scaling; optional otherwise.
     recipe: the `FP8Recipe`.
@@ -227,7 +266,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   Raises:
     ValueError: delayed scaling without a state, or a state whose histories
       do not have ``recipe.history_len`` entries.
-    TypeError: non-floating operands.
+    TypeError: non-floating operands or ``preferred_element_type``.
   """
   return _scaled_dot("jmp_amp.fp8.dot_general", lhs, rhs, dimension_numbers,
                      precision, preferred_element_type, state, recipe,
@@ -271,13 +310,16 @@ def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, *,
                      f"such as 'ab,bc->ac', got {subscripts!r}")
   lhs, rhs = fp8_lib.check_operands("jmp_amp.fp8.einsum", lhs, rhs)
   lhs_sum, rhs_sum, dims, perm = dot_dims.einsum_as_dot_general(
-      subscripts, lhs.ndim, rhs.ndim)
+      subscripts, lhs.shape, rhs.shape)
   if lhs_sum:
     lhs = jnp.sum(lhs, axis=lhs_sum)
   if rhs_sum:
     rhs = jnp.sum(rhs, axis=rhs_sum)
+  gemm_sharding = None
+  if dot_dims.explicit_out(out_sharding):
+    gemm_sharding = dot_dims.permuted(out_sharding, perm)
   y = _scaled_dot("jmp_amp.fp8.einsum", lhs, rhs, dims, precision,
-                  preferred_element_type, state, recipe, None)
+                  preferred_element_type, state, recipe, gemm_sharding)
   y = jnp.transpose(y, perm)
   return _constrain(y, out_sharding)
 
@@ -313,8 +355,12 @@ def conv_general_dilated(
     state, recipe: as for `dot_general`.
 
   Returns:
-    The convolution's result (``preferred_element_type`` if given, else the
-    recipe's compute dtype).
+    The convolution's result, computed in the recipe's compute dtype
+    (bfloat16; so are the backward convolutions) and then cast to
+    ``preferred_element_type`` if given: unlike `dot_general`, a float32
+    ``preferred_element_type`` does not make the convolution accumulate
+    and write float32 (its backward convolutions would then run in
+    float32 too).
 
   Raises:
     ValueError: a rowwise recipe (convolutions scale per tensor).
@@ -341,8 +387,7 @@ def conv_general_dilated(
       feature_group_count=feature_group_count,
       batch_group_count=batch_group_count, precision=precision, **kwargs)
   y = fp8_lib.qdq_output_grad(recipe, y, state.grad)
-  return y if preferred_element_type is None else y.astype(
-      preferred_element_type)
+  return y.astype(_out_dtype(what, preferred_element_type, recipe))
 def autocast_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                          precision=None, preferred_element_type=None,
                          recipe: FP8Recipe = FP8Recipe(),

@@ -15,7 +15,6 @@ from flax import nnx
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp.flax._fp8_op import FP8Meta
 from jmp_amp.flax._fp8_op import FP8Op
-from jmp_amp.flax._fp8_op import OP_CLASSES
 from jmp_amp.flax._fp8_op import fp8_op
 from jmp_amp.flax._fp8_op import knob
 from jmp_amp.flax._fp8_op import stack_shape
@@ -24,7 +23,7 @@ from jmp_amp.flax._fp8_select import path_str
 
 
 def ops(model: nnx.Module) -> dict[str, FP8Op]:
-  """The FP8 op (`FP8DotGeneral`, ...) of each FP8 module, by '/'-joined path.
+  """The FP8 op (`FP8Op`) of each FP8 module, by '/'-joined path.
   """
   return {path_str(p): fp8_op(m) for p, m in ordered_modules(model)
           if fp8_op(m) is not None}
@@ -126,8 +125,8 @@ def convert(module: nnx.Module, recipe: fp8_lib.FP8Recipe,
     original, dtype = current.original, current.original_dtype
   else:
     original, dtype = current, getattr(module, "dtype", None)
-  op = OP_CLASSES[name](recipe, original=original, original_dtype=dtype,
-                        name=path_str(path), stack_shape=stack_shape(module))
+  op = FP8Op(recipe, knob=name, original=original, original_dtype=dtype,
+             name=path_str(path), stack_shape=stack_shape(module))
   setattr(module, name, nnx.data(op))
   if "dtype" in vars(module):
     setattr(module, "dtype", recipe.compute_dtype)

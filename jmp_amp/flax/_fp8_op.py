@@ -1,9 +1,9 @@
 """The FP8 matmul ops of Flax NNX: the values FP8 gives a module's matmul knob.
 
-An `FP8Op` (`FP8DotGeneral`, `FP8Einsum`, `FP8ConvGeneralDilated`) holds its
-matmul's `FP8Meta` amax histories and runs it in FP8; `knob` says which knob
-of a module it replaces, `fp8_op` which op a module holds, `stack_shape` the
-layer axes its histories are stacked along.
+An `FP8Op` holds its matmul's `FP8Meta` amax histories and runs it in FP8,
+whichever knob it replaces (the knob's name is its data); `knob` says which
+knob of a module it replaces, `fp8_op` which op a module holds,
+`stack_shape` the layer axes its histories are stacked along.
 """
 
 from __future__ import annotations
@@ -37,10 +37,21 @@ class FP8Meta(nnx.Variable):
   """
 
 
+# The FP8 op of each knob: it takes the knob's arguments plus the op's
+# state= and recipe=.
+OPS = {"dot_general": fp8_ops.dot_general, "einsum_op": fp8_ops.einsum,
+       "conv_general_dilated": fp8_ops.conv_general_dilated}
+
+
 class FP8Op(nnx.Module):
   """A matmul knob value running its matmul in FP8 (one per module).
 
+  Called as the knob it replaces is (`nnx.Linear`'s ``dot_general``,
+  `nnx.Einsum`'s ``einsum_op``, `nnx.Conv`'s ``conv_general_dilated``), it
+  runs `jmp_amp.fp8`'s op of that name with its histories and recipe.
+
   Attributes:
+    knob: the module attribute it is the value of (static), one of `KNOBS`.
     recipe: the `jmp_amp.fp8.FP8Recipe` (static).
     lhs_amax_history, rhs_amax_history, grad_amax_history: `FP8Meta`
       histories of the input, the kernel and the output gradient.
@@ -55,11 +66,13 @@ class FP8Op(nnx.Module):
   sum of its new histories; give each call its own module, or exclude it.
   """
 
-  knob: str = ""  # The module attribute this op is the value of.
-
   def __init__(self, recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe(), *,
+               knob: str = "dot_general",  # pylint: disable=redefined-outer-name
                original: Any = None, original_dtype: Any = None,
-               name: str = "", stack_shape: tuple[int, ...] = ()):
+               name: str = "", stack_shape: tuple[int, ...] = ()):  # pylint: disable=redefined-outer-name
+    if knob not in OPS:
+      raise ValueError(f"knob must be one of {KNOBS}, got {knob!r}")
+    self.knob = knob
     self.recipe = recipe
     self.original = original
     self.original_dtype = original_dtype
@@ -82,60 +95,10 @@ class FP8Op(nnx.Module):
     """The named scope its matmul runs under: ``fp8[<module path>]``."""
     return jax.named_scope(f"fp8[{self.name}]")
 
-
-class FP8DotGeneral(FP8Op):
-  """The ``dot_general`` knob (nnx.Linear): `jmp_amp.fp8.dot_general`."""
-
-  knob = "dot_general"
-
-  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
-               preferred_element_type=None, out_sharding=None):
+  def __call__(self, *args, **kwargs):
     with self.scope():
-      return fp8_ops.dot_general(
-          lhs, rhs, dimension_numbers, precision=precision,
-          preferred_element_type=preferred_element_type, state=self.state(),
-          recipe=self.recipe, out_sharding=out_sharding)
-
-
-class FP8Einsum(FP8Op):
-  """The ``einsum_op`` knob (nnx.Einsum): `jmp_amp.fp8.einsum`."""
-
-  knob = "einsum_op"
-
-  def __call__(self, subscripts, lhs, rhs, precision=None,
-               preferred_element_type=None, out_sharding=None):
-    with self.scope():
-      return fp8_ops.einsum(
-          subscripts, lhs, rhs, precision=precision,
-          preferred_element_type=preferred_element_type, state=self.state(),
-          recipe=self.recipe, out_sharding=out_sharding)
-
-
-class FP8ConvGeneralDilated(FP8Op):
-  """A ``conv_general_dilated`` knob value (nnx.Conv) in FP8.
-
-  Calls `jmp_amp.fp8.conv_general_dilated`; on an H100 only the forward
-  convolution runs on FP8 operands (see `jmp_amp.flax.fp8`).
-  """
-
-  knob = "conv_general_dilated"
-
-  def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
-               rhs_dilation=None, dimension_numbers=None,
-               feature_group_count=1, batch_group_count=1, precision=None,
-               preferred_element_type=None, out_sharding=None):
-    with self.scope():
-      return fp8_ops.conv_general_dilated(
-          lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
-          rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
-          feature_group_count=feature_group_count,
-          batch_group_count=batch_group_count, precision=precision,
-          preferred_element_type=preferred_element_type, state=self.state(),
-          recipe=self.recipe, out_sharding=out_sharding)
-
-
-OP_CLASSES = {cls.knob: cls for cls in (FP8DotGeneral, FP8Einsum,
-                                         FP8ConvGeneralDilated)}
+      return OPS[self.knob](*args, state=self.state(), recipe=self.recipe,
+                            **kwargs)
 
 
 def knob(module: nnx.Module) -> Optional[str]:

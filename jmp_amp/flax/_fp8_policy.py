@@ -39,7 +39,9 @@ class FP8Policy:
 
   Attributes:
     recipe: the `jmp_amp.fp8.FP8Recipe` (default: current scaling).
-    keep_first_last: leave the model's first and last matmul modules out.
+    keep_first_last: leave the model's first and last matmul modules out
+      (those outside scanned stacks: a stack's module runs every layer, so
+      a first or last layer inside one runs in FP8 with its stack).
     param_dtype: storage dtype of the decided modules' parameters.
   """
   recipe: fp8_lib.FP8Recipe = fp8_lib.FP8Recipe()

@@ -2,7 +2,8 @@
 
 An FP8 rule converts the modules it decides that have a matmul knob, except,
 with ``keep_first_last``, the model's first and last in call order
-(`end_paths`: one abstract call with ``example_args``, or list indices).
+(`end_paths`: one abstract call with ``example_args``, or list indices)
+unless they are layers of a scanned stack.
 `ordered_modules` lists a model's modules in path order, without FP8 ops.
 """
 
@@ -46,18 +47,12 @@ def fp8_modules(model: nnx.Module, ruleset: rules_lib.RuleSet,
         p for p, pol in capable if pol.keep_first_last})
   else:
     ends = set()
+  # One module stands for every layer of a scanned stack: keeping it in
+  # bfloat16 would keep all its layers, not the first or last. A first or
+  # last matmul inside a stack runs in FP8 with its stack; the ends outside
+  # stacks (a head, an input projection) stay kept.
   mods = dict(modules)
-  for path in sorted(ends):
-    if stack_shape(mods[path]):
-      # One module stands for every layer of a scanned stack: keeping it in
-      # bfloat16 would keep all its layers, not the first or last.
-      raise ValueError(
-          f"FP8's first or last matmul module {path_str(path)!r} is stacked "
-          f"(layers run under nnx.scan, kernel axes "
-          f"{stack_shape(mods[path])} in front): keep_first_last "
-          "cannot keep one layer of a stack in bfloat16. Give it the rule "
-          "value jmp_amp.flax.fp8.FP8Policy(recipe, keep_first_last=False) "
-          "(every layer FP8), or a non-FP8 policy (every layer bfloat16).")
+  ends = {p for p in ends if not stack_shape(mods[p])}
   chosen = {p for p, pol in capable if not (pol.keep_first_last and p in ends)}
   by_path = {p: m for p, m, _ in decided}
   for path, pol in capable:

@@ -33,7 +33,7 @@ def is_fp8_autocast(autocast: AutocastSpec) -> bool:
 def has_fp8_gemms(model: Any, autocast: AutocastSpec = None) -> bool:
   """Whether a train step of `model` runs FP8 GEMMs: the model has FP8
   layers (it holds their `FP8Meta` histories) or ``autocast=`` is FP8. Such
-  a step compiles with `fp8.FP8_COMPILER_OPTIONS` (`fp8.compiler_options`)."""
+  a step compiles with `jmp_amp.fp8.compiler_options()`."""
   return is_fp8_autocast(autocast) or bool(
       jax.tree.leaves(nnx.state(model, _fp8_op.FP8Meta)))
 

@@ -12,8 +12,7 @@ Plain functions get FP8 from ``jmp_amp.autocast(fn, "float8")``.
 A module that can run in FP8 has a matmul knob: ``dot_general``
 (`nnx.Linear`, `nnx.LinearGeneral`, your own module with that knob),
 ``einsum_op`` (`nnx.Einsum`) or ``conv_general_dilated`` (`nnx.Conv`). The
-knob gets an FP8 op (``FP8DotGeneral``, ``FP8Einsum`` or
-``FP8ConvGeneralDilated``) that runs the matmul with `float8_e4m3fn`
+knob gets an FP8 op that runs the matmul with `float8_e4m3fn`
 operands forward and `float8_e5m2` gradients backward (see `jmp_amp.fp8`),
 and the module computes and returns the recipe's compute dtype (bfloat16).
 Master weights keep their dtype (float32). The model's first and last such

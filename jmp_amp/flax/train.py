@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 
 import jmp_amp
-from jmp_amp._src import fp8 as fp8_lib
+from jmp_amp._src import fp8_compile
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _fp8
@@ -154,9 +154,10 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       your own `jax.jit` / `nnx.jit`.
     compiler_options: XLA options for `jax.jit`, e.g.
       ``{"xla_backend_optimization_level": 0}`` for faster compiles. A
-      model with FP8 layers (or ``autocast="float8"``) compiles with Triton
-      GEMMs off (``{"xla_gpu_enable_triton_gemm": False}``) unless these
-      options say otherwise: on a GPU, XLA's GEMM autotuner otherwise spends
+      step whose traced program has FP8 GEMMs (FP8 layers, an FP8
+      ``autocast=`` in any form) compiles with
+      `jmp_amp.fp8.compiler_options()` (on a CUDA GPU, Triton GEMMs off)
+      under these options, which win: XLA's GEMM autotuner otherwise spends
       a minute or more timing Triton kernels for the FP8 GEMMs, then picks
       cuBLAS's (see docs/fp8.md).
     numerics: None, or the modules (path globs such as ``"blocks/*/attn"``,
@@ -243,8 +244,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     return metrics
 
   run = step if not jit else _jit_nnx_step(
-      step, donate=donate, compiler_options=compiler_options,
-      autocast=autocast)
+      step, donate=donate, compiler_options=compiler_options)
   if on_nonfinite is None:
     return run
   return _step_checks.with_localiser(run, loss_fn, on_nonfinite,
@@ -253,44 +253,36 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
 
 
 def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
-                  compiler_options: Optional[dict[str, Any]],
-                  autocast: AutocastSpec):
+                  compiler_options: Optional[dict[str, Any]]):
   """`step(model, optimizer, batch)` as a jax.jit over their split state,
-  compiled with `fp8.FP8_COMPILER_OPTIONS` under `compiler_options` when the
-  step has FP8 GEMMs (`_step_parts.has_fp8_gemms`)."""
+  compiled with `jmp_amp.fp8.compiler_options()` under `compiler_options`
+  when its traced program has FP8 GEMMs (once per model structure)."""
 
   def pure(graphdef, state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     metrics = step(model, optimizer, batch)
     return nnx.state((model, optimizer)), metrics
 
-  jitted = {}  # has FP8 GEMMs -> the jitted step
-  has_fp8 = {}  # graphdef -> has FP8 GEMMs (once per model structure)
+  jitted = fp8_compile.step_jit(
+      pure, options=compiler_options, key=lambda graphdef, *_: graphdef,
+      static_argnums=0, donate_argnums=(1,) if donate else ())
   check_replicas = _step_checks.replica_check(_step_checks.optax_state)
 
   def split(model, optimizer):
     _step_checks.check_optimizer(optimizer)
-    graphdef, state = nnx.split((model, optimizer))
-    if graphdef not in has_fp8:
-      has_fp8[graphdef] = _step_parts.has_fp8_gemms(model, autocast)
-    fp8 = has_fp8[graphdef]
-    if fp8 not in jitted:
-      jitted[fp8] = jax.jit(
-          pure, static_argnums=0, donate_argnums=(1,) if donate else (),
-          compiler_options=fp8_lib.compiler_options(compiler_options, fp8))
-    return jitted[fp8], graphdef, state
+    return nnx.split((model, optimizer))
 
   @functools.wraps(step)
   def run(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    jitted_step, graphdef, state = split(model, optimizer)
+    graphdef, state = split(model, optimizer)
     check_replicas(optimizer)
-    new_state, metrics = jitted_step(graphdef, state, batch)
+    new_state, metrics = jitted(graphdef, state, batch)
     nnx.update((model, optimizer), new_state)
     return metrics
 
   def lower(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    jitted_step, graphdef, state = split(model, optimizer)
-    return jitted_step.lower(graphdef, state, batch)
+    graphdef, state = split(model, optimizer)
+    return jitted.lower(graphdef, state, batch)
 
   run.lower = lower
   return run
@@ -352,8 +344,9 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
     revert_on_skip: keep the previous collections on a skipped step.
     donate: donate the state's buffers.
     jit: wrap the step in `jax.jit`.
-    compiler_options: XLA options for `jax.jit` (with ``autocast="float8"``
-      over Triton GEMMs off, as in `make_train_step`).
+    compiler_options: XLA options for `jax.jit` (over
+      `jmp_amp.fp8.compiler_options()` when the step has FP8 GEMMs, as in
+      `make_train_step`).
 
     numerics: None, or the modules whose output and param-gradient
       statistics go to ``metrics["numerics"]``, as for `make_train_step`
@@ -415,10 +408,8 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
 
   if not jit:
     return step
-  jitted = jax.jit(step, donate_argnums=(0,) if donate else (),
-                   compiler_options=fp8_lib.compiler_options(
-                       compiler_options,
-                       _step_parts.is_fp8_autocast(autocast)))
+  jitted = fp8_compile.step_jit(step, options=compiler_options,
+                            donate_argnums=(0,) if donate else ())
   if jax.process_count() == 1:
     return jitted
   check_replicas = _step_checks.replica_check(

@@ -21,7 +21,6 @@ import numpy as np
 import optax
 
 import jmp_amp
-from jmp_amp._src import fp8 as fp8_lib
 
 # A mode's name is the policy it trains with (`jmp_amp.get_policy`'s name, or
 # "float8": FP8 matmuls), so that one name means one thing in the bench and in
@@ -131,8 +130,8 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
 
   # As make_train_step compiles it: Triton GEMMs off for FP8 GEMMs.
   fp8 = _step_parts.has_fp8_gemms(model, mode.get("autocast"))
-  return jax.jit(step, donate_argnums=0,
-                 compiler_options=fp8_lib.compiler_options(None, fp8)), state
+  options = jmp_amp.fp8.compiler_options() if fp8 else None
+  return jax.jit(step, donate_argnums=0, compiler_options=options), state
 
 
 def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
