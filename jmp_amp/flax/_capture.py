@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 from flax import nnx
@@ -186,19 +187,34 @@ def capture(fn: Callable[..., Any], model: nnx.Module, args: Sequence[Any],
     every = {(p, m): () for p in modules for m in methods}
     try:
       abstract(_init(every, kind))
-    except (TypeError, ValueError) as second:
-      raise ValueError(
-          "jmp_amp.flax.numerics: nnx.capture could not record the outputs "
-          f"of {type(model).__name__}'s modules: run without entries "
-          f"made beforehand, a transform needs its state's structure fixed "
-          f"({first}); with them, a transform stacks a module's state "
-          f"({second}). Record a stack of blocks outside an nnx.cond / loop, "
-          "or pick fewer modules.") from second
+    except (TypeError, ValueError):
+      raise first from None  # Not a question of structure: the model's.
     shapes = every
+  _warn_uninstrumented(modules)
   result, captured = _run(fn, model, args, kind, _init(shapes, kind))
   counts = _flat(captured)
   by_path = {p: tuple(shapes[(p, m)]) for p, m in shapes}
   return result, Captured(counts, _find_roots(by_path, modules), modules)
+
+
+def _warn_uninstrumented(modules: dict[tuple, Any]) -> None:
+  """Warns about modules whose ``__call__`` `nnx.capture` does not see: it
+  instruments the methods of each module's own class, so an inherited
+  ``__call__`` is seen only if its class is some module's own."""
+  own = {type(m) for m in modules.values()}
+  unseen = []
+  for path, m in modules.items():
+    owner = next((k for k in type(m).__mro__ if "__call__" in vars(k)), None)
+    if owner not in own and owner not in (None, object, nnx.Module):
+      unseen.append(f"{_paths.path_str(path)!r} ({type(m).__name__}, "
+                    f"__call__ of {owner.__name__})")
+  if unseen:
+    warnings.warn(
+        "jmp_amp.flax.numerics: the outputs of modules "
+        f"{', '.join(unseen[:6])} are not recorded: nnx.capture records the "
+        "methods a module's own class defines, and their classes inherit "
+        "__call__. Define __call__ in the class (def __call__(self, *a, "
+        "**k): return super().__call__(*a, **k)).", UserWarning, stacklevel=4)
 
 
 def block_counts(counts: dict[str, Any], idx: Optional[tuple]

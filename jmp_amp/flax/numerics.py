@@ -33,9 +33,10 @@ state, which `nnx.remat`, `nnx.cond`, `nnx.scan`, `nnx.vmap` and `nnx.jit`
 carry (see `jmp_amp/flax/_capture.py`); linen through
 `flax.linen.intercept_methods`. Flax's capture instruments the methods a
 module's class defines itself: a class that inherits ``__call__`` from a
-base class that no module of the model has as its own type is not seen, and
-telemetry warns about the selected modules whose params have gradients but
-whose output was never seen.
+base class that no module of the model has as its own type is not seen
+(telemetry warns, naming them), and a transform that drops a module's state
+(a `jax.lax.scan` body that does not return its blocks' state) drops its
+record too.
 
 Example:
   >>> import jmp_amp.flax.numerics as numerics
@@ -329,25 +330,7 @@ def step_stats(model: Optional[nnx.Module], grads: Any, select: Select,
   stats = merge(out_entries(captured, selector),
                 grad_entries(model, grads, selector, captured, warn=False),
                 fp8_entries(model, selector, captured))
-  warn_unseen(stats)
   return stats
-
-
-def warn_unseen(stats: Stats) -> None:
-  """Warns about the modules whose params had gradients but whose output
-  was never seen (a ``__call__`` that Flax's capture does not instrument,
-  or a transform that dropped the module's state)."""
-  unseen = [p for p, kinds in stats.items()
-            if "grad" in kinds and "out" not in kinds]
-  if unseen:
-    warnings.warn(
-        f"jmp_amp.flax.numerics: modules {unseen[:6]} have param gradients "
-        "but their outputs were never recorded: nnx.capture instruments the "
-        "methods a module's own class defines (not those it inherits from a "
-        "base class no module has as its type), and a transform the model "
-        "runs must return the module's state (e.g. a jax.lax.scan over "
-        "nnx.split state returns nnx.state of the merged block).",
-        UserWarning, stacklevel=3)
 
 
 # --------------------------------------------------------------------------
