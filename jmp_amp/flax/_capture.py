@@ -30,12 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_amp._src import fp8 as fp8_core
 from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _paths
+from jmp_amp.flax import nnx as nnx_lib
 
 # Trace order of the calls: which module completed first (localisation).
 _ORDER = itertools.count()
-_UNSET = np.iinfo(np.int32).max
+UNSET = np.iinfo(np.int32).max
 
 
 class Outputs(nnx.Intermediate):
@@ -75,7 +77,7 @@ def _zeros(shape: tuple[int, ...]) -> dict[str, jax.Array]:
   counts = {"max_abs": jnp.zeros(shape, jnp.float32)}
   counts.update((k, jnp.zeros(shape, jnp.uint32))
                 for k in ("underflow", "zeros", "nonfinite", "size"))
-  counts["order"] = jnp.full(shape, _UNSET, jnp.int32)
+  counts["order"] = jnp.full(shape, UNSET, jnp.int32)
   return counts
 
 
@@ -225,3 +227,152 @@ def block_counts(counts: dict[str, Any], idx: Optional[tuple]
 def stats(counts: dict[str, Any]) -> dict[str, Any]:
   """The final statistics of a module's counts (`tensor_stats.finish`)."""
   return stats_lib.finish({k: v for k, v in counts.items() if k != "order"})
+
+
+# --------------------------------------------------------------------------
+# The entries of a step's telemetry, ``{path: {kind: stats}}``.
+
+Stats = dict[str, dict[str, dict[str, Any]]]
+
+
+def candidates(captured: Captured) -> dict[str, Any]:
+  """``{path: module}`` of the modules, and of their blocks in a stack."""
+  out = {_paths.path_str(p): m for p, m in captured.modules.items()}
+  out.update((_paths.path_str(b), m) for p, m in captured.modules.items()
+             for _, b in captured.blocks(p))
+  return out
+
+
+def picked(captured: Captured, selector: _paths.Selector,
+            path: tuple) -> list[tuple[Optional[tuple], str]]:
+  """``(block index, key)`` of what `selector` picks of the module at
+  `path`: the module, or in a stack the blocks it picks (all of them if it
+  names the module's own path)."""
+  module = captured.modules.get(path)
+  whole = _paths.path_str(path) in selector.keys
+  return [(idx, _paths.path_str(b)) for idx, b in captured.blocks(path)
+          if whole or selector(_paths.path_str(b), module)]
+
+
+def out_entries(captured: Captured, selector: _paths.Selector
+                ) -> Stats:
+  """``{key: {"out": stats}}`` of the selected modules that ran."""
+  merged: dict[tuple, dict[str, Any]] = {}
+  for (path, _), counts in sorted(captured.counts.items()):
+    merged[path] = (counts if path not in merged else
+                    stats_lib.add_counts(merged[path], counts))
+  out = {}
+  for path, counts in merged.items():
+    for idx, key in picked(captured, selector, path):
+      out[key] = {"out": stats(block_counts(counts, idx))}
+  return out
+
+
+def grad_entries(model: Optional[nnx.Module], grads: Any,
+                 selector: _paths.Selector, captured: Captured,
+                 warn: bool = True) -> Stats:
+  """``{key: {"grad": stats}}``, per block in the stacks `captured` saw."""
+  if model is not None:
+    owners = _paths.owning_paths(model)
+    policies = nnx_lib.get_policies(model)
+    flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
+  else:
+    owners, policies = None, {}
+    flat = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v)
+            for p, v in jax.tree_util.tree_flatten_with_path(grads)[0]]
+  grouped: dict[tuple, list] = {}
+  for path, value in flat:
+    value = value.get_value() if isinstance(value, nnx.Variable) else value
+    owner = (path[:-1] if owners is None
+             else _paths.owner(path, owners))
+    grouped.setdefault(owner, []).append(value)
+  if warn:
+    known = candidates(captured) or {
+        _paths.path_str(p): None for p in grouped}
+    selector.warn_unmatched(
+        known, "the model" if model is None else type(model).__name__)
+  out = {}
+  for owner, values in sorted(grouped.items(), key=lambda kv: kv[0]):
+    if model is None:
+      chosen = ([(None, _paths.path_str(owner))]
+                if selector(_paths.path_str(owner), None) else [])
+    else:
+      chosen = picked(captured, selector, owner)
+    if not chosen:
+      continue
+    dtype = getattr(policies.get(_paths.path_str(owner)), "compute_dtype",
+                    None)
+    counts_of = lambda vs: stats_lib.tree_counts(vs, dtype)
+    stack = captured.stack(owner)
+    if chosen[0][0] is not None and stack is not None:
+      shape = stack[1]
+      if not all(tuple(np.shape(v))[:len(shape)] == shape for v in values):
+        chosen = [(None, _paths.path_str(owner))]
+      else:
+        for _ in shape:  # one vmap per stacked axis
+          counts_of = jax.vmap(counts_of)
+    counts = counts_of(values)
+    if counts is None:
+      continue
+    for idx, key in chosen:
+      out[key] = {"grad": stats_lib.finish(
+          block_counts(counts, idx))}
+  return out
+
+
+def fp8_entries(model: nnx.Module, selector: _paths.Selector,
+                captured: Captured) -> Stats:
+  """The selected FP8 modules' entries of kind ``"fp8"``.
+
+  ``{"amax_lhs", "amax_rhs", "amax_grad"}``: the newest amax of the
+  operands and of the output gradient (from the module's amax histories),
+  and ``{"scale_lhs", "scale_rhs", "scale_grad"}``: the scale their whole
+  history gives (what delayed scaling uses next; current scaling uses the
+  tensor's own amax).
+  """
+  from jmp_amp.flax import fp8 as fp8_layers  # pylint: disable=g-import-not-at-top
+  policies = nnx_lib.get_policies(model)
+  paths = {_paths.path_str(p): p for p in captured.modules}
+  out = {}
+  for name, state in fp8_layers.histories(model).items():
+    recipe = getattr(policies.get(name), "recipe", None)
+    chosen = picked(captured, selector, paths.get(name, ()))
+    if recipe is None or not chosen:
+      continue
+    fp8 = {}  # In a stack, of every block: the histories' leading axes.
+    for kind, dtype in (("lhs", recipe.fwd_dtype), ("rhs", recipe.fwd_dtype),
+                        ("grad", recipe.bwd_dtype)):
+      history = getattr(state, kind)  # the newest amax first
+      fp8[f"amax_{kind}"] = history[..., 0]
+      fp8[f"scale_{kind}"] = fp8_core.compute_scale(
+          jnp.max(history, axis=-1), dtype, recipe.margin)
+    for idx, key in chosen:
+      out[key] = {"fp8": block_counts(fp8, idx)}
+  return out
+
+
+def merge(*parts: Stats) -> Stats:
+  """The entries of `parts` together, paths and kinds sorted."""
+  out: dict[str, dict[str, Any]] = {}
+  for part in parts:
+    for path, kinds in part.items():
+      out.setdefault(path, {}).update(kinds)
+  return {p: dict(sorted(out[p].items())) for p in sorted(out)}
+
+
+def step_stats(model: Optional[nnx.Module], grads: Any, select: _paths.Select,
+               captured: Optional[Captured]) -> Stats:
+  """A train step's ``metrics["numerics"]``: the outputs `captured` saw,
+  the gradients' and the FP8 histories' statistics (linen, `model` None:
+  the gradients')."""
+  selector = _paths.Selector(select if select is not None else [])
+  if model is None:
+    with warnings.catch_warnings():  # `output_stats` has warned already.
+      warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select")
+      return grad_entries(None, grads, selector, Captured(
+          {}, {}, {}))
+  selector.warn_unmatched(candidates(captured), type(model).__name__)
+  stats = merge(out_entries(captured, selector),
+                grad_entries(model, grads, selector, captured, warn=False),
+                fp8_entries(model, selector, captured))
+  return stats

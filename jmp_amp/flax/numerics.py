@@ -63,7 +63,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_amp._src import fp8 as fp8_core
 from jmp_amp._src import localise
 from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _capture
@@ -119,38 +118,9 @@ def output_stats(fn: Callable[..., Any], model: Optional[nnx.Module],
     raise TypeError("output_stats takes an nnx.Module (or None for linen), "
                     f"got {type(model).__name__}")
   result, captured = _capture.capture(fn, model, args, methods)
-  selector.warn_unmatched(_candidates(captured), type(model).__name__)
-  return result, out_entries(captured, selector)
-
-
-def _candidates(captured: _capture.Captured) -> dict[str, Any]:
-  return {_paths.path_str(b): m for p, m in captured.modules.items()
-          for _, b in captured.blocks(p)}
-
-
-def _picked(captured: _capture.Captured, selector: _paths.Selector,
-            path: tuple) -> list[tuple[Optional[tuple], str]]:
-  """``(block index, key)`` of what `selector` picks of the module at
-  `path`: the module, or in a stack the blocks it picks (all of them if it
-  names the module's own path)."""
-  module = captured.modules.get(path)
-  whole = _paths.path_str(path) in selector.keys
-  return [(idx, _paths.path_str(b)) for idx, b in captured.blocks(path)
-          if whole or selector(_paths.path_str(b), module)]
-
-
-def out_entries(captured: _capture.Captured, selector: _paths.Selector
-                ) -> Stats:
-  """``{key: {"out": stats}}`` of the selected modules that ran."""
-  merged: dict[tuple, dict[str, Any]] = {}
-  for (path, _), counts in sorted(captured.counts.items()):
-    merged[path] = (counts if path not in merged else
-                    stats_lib.add_counts(merged[path], counts))
-  out = {}
-  for path, counts in merged.items():
-    for idx, key in _picked(captured, selector, path):
-      out[key] = {"out": _capture.stats(_capture.block_counts(counts, idx))}
-  return out
+  selector.warn_unmatched(_capture.candidates(captured),
+                          type(model).__name__)
+  return result, _capture.out_entries(captured, selector)
 
 
 def _linen_outputs(fn: Callable[..., Any], args: Sequence[Any],
@@ -219,118 +189,8 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
   modules = ({} if model is None else
              {tuple(p): m for p, m in nnx.iter_modules(model)})
   captured = _capture.Captured({}, {}, modules)
-  return {k: e["grad"] for k, e in grad_entries(
+  return {k: e["grad"] for k, e in _capture.grad_entries(
       model, grads, selector, captured).items()}
-
-
-def grad_entries(model: Optional[nnx.Module], grads: Any,
-                 selector: _paths.Selector, captured: _capture.Captured,
-                 warn: bool = True) -> Stats:
-  """``{key: {"grad": stats}}``, per block in the stacks `captured` saw."""
-  if model is not None:
-    owners = _paths.owning_paths(model)
-    policies = nnx_lib.get_policies(model)
-    flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
-  else:
-    owners, policies = None, {}
-    flat = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v)
-            for p, v in jax.tree_util.tree_flatten_with_path(grads)[0]]
-  grouped: dict[tuple, list] = {}
-  for path, value in flat:
-    value = value.get_value() if isinstance(value, nnx.Variable) else value
-    owner = (path[:-1] if owners is None
-             else _paths.owner(path, owners))
-    grouped.setdefault(owner, []).append(value)
-  if warn:
-    candidates = _candidates(captured) or {
-        _paths.path_str(p): None for p in grouped}
-    selector.warn_unmatched(
-        candidates, "the model" if model is None else type(model).__name__)
-  out = {}
-  for owner, values in sorted(grouped.items(), key=lambda kv: kv[0]):
-    if model is None:
-      picked = ([(None, _paths.path_str(owner))]
-                if selector(_paths.path_str(owner), None) else [])
-    else:
-      picked = _picked(captured, selector, owner)
-    if not picked:
-      continue
-    dtype = getattr(policies.get(_paths.path_str(owner)), "compute_dtype",
-                    None)
-    counts_of = lambda vs: stats_lib.tree_counts(vs, dtype)
-    stack = captured.stack(owner)
-    if picked[0][0] is not None and stack is not None:
-      shape = stack[1]
-      if not all(tuple(np.shape(v))[:len(shape)] == shape for v in values):
-        picked = [(None, _paths.path_str(owner))]
-      else:
-        for _ in shape:  # one vmap per stacked axis
-          counts_of = jax.vmap(counts_of)
-    counts = counts_of(values)
-    if counts is None:
-      continue
-    for idx, key in picked:
-      out[key] = {"grad": stats_lib.finish(
-          _capture.block_counts(counts, idx))}
-  return out
-
-
-def fp8_entries(model: nnx.Module, selector: _paths.Selector,
-                captured: _capture.Captured) -> Stats:
-  """The selected FP8 modules' entries of kind ``"fp8"``.
-
-  ``{"amax_lhs", "amax_rhs", "amax_grad"}``: the newest amax of the
-  operands and of the output gradient (from the module's amax histories),
-  and ``{"scale_lhs", "scale_rhs", "scale_grad"}``: the scale their whole
-  history gives (what delayed scaling uses next; current scaling uses the
-  tensor's own amax).
-  """
-  from jmp_amp.flax import fp8 as fp8_layers  # pylint: disable=g-import-not-at-top
-  policies = nnx_lib.get_policies(model)
-  paths = {_paths.path_str(p): p for p in captured.modules}
-  out = {}
-  for name, state in fp8_layers.histories(model).items():
-    recipe = getattr(policies.get(name), "recipe", None)
-    picked = _picked(captured, selector, paths.get(name, ()))
-    if recipe is None or not picked:
-      continue
-    fp8 = {}  # In a stack, of every block: the histories' leading axes.
-    for kind, dtype in (("lhs", recipe.fwd_dtype), ("rhs", recipe.fwd_dtype),
-                        ("grad", recipe.bwd_dtype)):
-      history = getattr(state, kind)  # the newest amax first
-      fp8[f"amax_{kind}"] = history[..., 0]
-      fp8[f"scale_{kind}"] = fp8_core.compute_scale(
-          jnp.max(history, axis=-1), dtype, recipe.margin)
-    for idx, key in picked:
-      out[key] = {"fp8": _capture.block_counts(fp8, idx)}
-  return out
-
-
-def merge(*parts: Stats) -> Stats:
-  """The entries of `parts` together, paths and kinds sorted."""
-  out: dict[str, dict[str, Any]] = {}
-  for part in parts:
-    for path, kinds in part.items():
-      out.setdefault(path, {}).update(kinds)
-  return {p: dict(sorted(out[p].items())) for p in sorted(out)}
-
-
-def step_stats(model: Optional[nnx.Module], grads: Any, select: Select,
-               captured: Optional[_capture.Captured]) -> Stats:
-  """A train step's ``metrics["numerics"]``: the outputs `captured` saw,
-  the gradients' and the FP8 histories' statistics (linen, `model` None:
-  the gradients')."""
-  selector = _selector(select)
-  if model is None:
-    with warnings.catch_warnings():  # `output_stats` has warned already.
-      warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select")
-      return grad_entries(None, grads, selector, _capture.Captured(
-          {}, {}, {}))
-  selector.warn_unmatched(_candidates(captured), type(model).__name__)
-  stats = merge(out_entries(captured, selector),
-                grad_entries(model, grads, selector, captured, warn=False),
-                fp8_entries(model, selector, captured))
-  return stats
 
 
 # --------------------------------------------------------------------------
@@ -380,14 +240,14 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
   (_, counts), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
   captured = dataclasses.replace(seen["captured"],
                                  counts=jax.device_get(counts))
-  bad_grads = {key for key, e in grad_entries(
+  bad_grads = {key for key, e in _capture.grad_entries(
       model, grads, _selector("**"), captured, warn=False).items()
                if int(e["grad"]["nonfinite"])}
   starts = {}  # a stack's place in the call order: its first call's
   for (path, _), c in captured.counts.items():
     found = captured.stack(path)
     if found is not None:
-      starts[found[0]] = min(starts.get(found[0], _capture._UNSET),
+      starts[found[0]] = min(starts.get(found[0], _capture.UNSET),
                              int(np.min(c["order"])))
   sites = _source_modules(captured.modules, report.source)
   pool = []
@@ -403,7 +263,7 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
       else:
         bad = any(g == key or g.startswith(key + "/") or not key
                   for g in bad_grads)
-      if bad and int(one["order"]) != _capture._UNSET:
+      if bad and int(one["order"]) != _capture.UNSET:
         start = starts[found[0]] if found else int(one["order"])
         pool.append(((start, idx or (), int(one["order"])), path, block))
   if not pool:

@@ -232,7 +232,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
         wrt=wrt)(model)
     if numerics is not None:
       aux, counts = aux
-      stats = numerics_lib.step_stats(
+      stats = _capture.step_stats(
           model, grads, numerics,
           dataclasses.replace(seen["captured"], counts=counts))
     optimizer.update(model, grads)
@@ -410,7 +410,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
         loss_of, has_aux=True)(state.opt_state, state.params)
     if numerics is not None:
       aux, outputs = aux
-      stats = numerics_lib.merge(outputs, numerics_lib.step_stats(
+      stats = _capture.merge(outputs, _capture.step_stats(
           None, grads, numerics, None))
     state = state.apply_gradients(grads=grads)
     metrics = _step_parts.step_metrics(state.opt_state, loss, aux, has_aux)
