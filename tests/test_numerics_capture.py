@@ -308,6 +308,7 @@ def test_counts_stay_exact_integers_past_2_to_the_24():
   assert int(s["nonfinite"]) == 2**24 + 1
 
 
+@pytest.mark.slow  # the op-by-op replay: ~20 s each
 @pytest.mark.filterwarnings("ignore:jmp_amp.flax. .* has no dtype knob")
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 def test_find_nonfinite_names_the_block_of_a_rematted_scanned_stack(scan):

@@ -259,15 +259,18 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
       one = _capture.block_counts(c, idx)
       key = _paths.path_str(block)
       if report.direction == "forward":
-        bad = int(one["nonfinite"]) > 0
-      else:
-        bad = any(g == key or g.startswith(key + "/") or not key
-                  for g in bad_grads)
+        bad = 2 * (int(one["nonfinite"]) > 0)
+      else:  # its own params' gradients (2), else those of its submodules
+        bad = 2 if key in bad_grads else int(any(
+            g.startswith(key + "/") or not key for g in bad_grads))
       if bad and int(one["order"]) != _capture.UNSET:
         start = starts[found[0]] if found else int(one["order"])
-        pool.append(((start, idx or (), int(one["order"])), path, block))
+        pool.append((bad, (start, idx or (), int(one["order"])), path,
+                     block))
   if not pool:
     return None
+  best = max(p[0] for p in pool)
+  pool = [p[1:] for p in pool if p[0] == best]
   pick = min(pool) if report.direction == "forward" else max(pool)
   _, path, block = pick
   found = captured.stack(path)
@@ -279,8 +282,8 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
 
 def _source_modules(modules: dict[tuple, Any], source: str) -> set[tuple]:
   """The paths of the modules whose class's code holds `source`'s line
-  (``file:line (function)``)."""
-  match = re.match(r"(.*):(\d+) \(", source or "")
+  (``file:line[:column] (function)``)."""
+  match = re.match(r"(.*?):(\d+)(?::\d+)? \(", source or "")
   if not match:
     return set()
   file, line = match.group(1), int(match.group(2))
