@@ -223,11 +223,12 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
            loss_scale: Any, report: localise.NonFinite
            ) -> Optional[tuple[str, str, str]]:
   """``(module, rule key, own path)`` of the module where `report`'s op ran,
-  from one jitted run under `nnx.capture`: of the modules whose code holds
-  the op's source line (any module, if none does), the first to return a
-  non-finite output (forward), or the last whose params' gradients are
-  non-finite (backward). In a stack, ``module`` names the block and the
-  rule key every block (``blocks/*/attn``)."""
+  from one jitted run under `nnx.capture`: of the modules whose code (or op
+  knob) holds the op's source line (any module, if none does), the first to
+  return a non-finite output (forward), or the last whose own params'
+  gradients (else its submodules') are non-finite (backward). In a stack,
+  ``module`` names the block and the rule key every block
+  (``blocks/*/attn``)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   seen = {}
 
@@ -249,7 +250,8 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
     if found is not None:
       starts[found[0]] = min(starts.get(found[0], _capture.UNSET),
                              int(np.min(c["order"])))
-  sites = _source_modules(captured.modules, report.source)
+  sites = _source_modules(dict(nnx.iter_modules(model)), report.source)
+  sites = {tuple(p) for p in sites}
   pool = []
   for (path, _), c in captured.counts.items():
     if sites and path not in sites:
@@ -281,28 +283,30 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
 
 
 def _source_modules(modules: dict[tuple, Any], source: str) -> set[tuple]:
-  """The paths of the modules whose class's code holds `source`'s line
-  (``file:line[:column] (function)``)."""
+  """The paths of the modules whose code holds `source`'s line
+  (``file:line[:column] (function)``): their class's methods, or the
+  functions they hold (an op knob such as ``dot_general``)."""
   match = re.match(r"(.*?):(\d+)(?::\d+)? \(", source or "")
   if not match:
     return set()
   file, line = match.group(1), int(match.group(2))
   return {path for path, m in modules.items()
-          if _holds_line(type(m), file, line)}
+          if any(_holds_line(f, file, line) for f in _functions(m))}
 
 
-@functools.cache
-def _holds_line(cls: type, file: str, line: int) -> bool:
-  for klass in cls.__mro__:
-    for attr in vars(klass).values():
-      while attr is not None:
-        code = getattr(attr, "__code__", None)
-        if code is not None and code.co_filename == file:
-          lines = [n for _, _, n in code.co_lines() if n is not None]
-          if lines and min(lines + [code.co_firstlineno]) <= line <= max(
-              lines):
-            return True
-        attr = getattr(attr, "__wrapped__", None)
+def _functions(module: Any) -> list[Any]:
+  own = [v for k in type(module).__mro__ for v in vars(k).values()]
+  return own + [v for v in vars(module).values() if callable(v)]
+
+
+def _holds_line(fn: Any, file: str, line: int) -> bool:
+  while fn is not None:
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_filename == file:
+      lines = [n for _, _, n in code.co_lines() if n is not None]
+      if lines and min(lines + [code.co_firstlineno]) <= line <= max(lines):
+        return True
+    fn = getattr(fn, "__wrapped__", getattr(fn, "func", None))
   return False
 
 
