@@ -53,13 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import warnings
 
 from flax import linen as nn
 from flax import nnx
 import jax
+import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
 
@@ -220,7 +220,7 @@ def _nnx_loss(model: nnx.Module, loss_fn: Callable, batch: Any,
 
 
 def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
-           loss_scale: Any, report: localise.NonFinite
+           loss_scale: Any, report: localise.NonFinite, f: Callable
            ) -> Optional[tuple[str, str, str]]:
   """``(module, rule key, own path)`` of the module where `report`'s op ran,
   from one jitted run under `nnx.capture`: of the modules whose code (or op
@@ -250,11 +250,15 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
     if found is not None:
       starts[found[0]] = min(starts.get(found[0], _capture.UNSET),
                              int(np.min(c["order"])))
-  sites = _source_modules(dict(nnx.iter_modules(model)), report.source)
-  sites = {tuple(p) for p in sites}
+  sites = _sites(f, params, {tuple(p): m for p, m in nnx.iter_modules(model)},
+                 report.source)
+  # Control flow (scan, cond, while) is one equation, at the line that runs
+  # it: the op is in a module below.
+  inside = report.primitive in _CONTROL_FLOW
   pool = []
   for (path, _), c in captured.counts.items():
-    if sites and path not in sites:
+    if sites and not any(path[:len(s)] == s if inside else path == s
+                         for s in sites):
       continue
     found = captured.stack(path)
     for idx, block in captured.blocks(path):
@@ -282,20 +286,42 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
           _paths.path_str(path))
 
 
-def _source_modules(modules: dict[tuple, Any], source: str) -> set[tuple]:
-  """The paths of the modules whose code holds `source`'s line
-  (``file:line[:column] (function)``): their class's methods, or the
-  functions they hold (an op knob such as ``dot_general``)."""
-  match = re.match(r"(.*?):(\d+)(?::\d+)? \(", source or "")
-  if not match:
-    return set()
-  file, line = match.group(1), int(match.group(2))
-  return {path for path, m in modules.items()
-          if any(_holds_line(f, file, line) for f in _functions(m))}
+_CONTROL_FLOW = ("scan", "while", "cond")
+
+
+def _sites(f: Callable, params: Any, modules: dict[tuple, Any],
+           source: str) -> set[tuple]:
+  """The paths of the modules whose code holds the op at `source`
+  (``file:line[:column] (function)``): of the op's call stack, innermost
+  first, the first frame in a module's code (its class's methods, or a
+  function it holds, such as an op knob ``dot_general``)."""
+  codes = [(path, fn) for path, m in modules.items() for fn in _functions(m)]
+  for frames in _tracebacks(jax.make_jaxpr(f)(params).jaxpr, source):
+    for frame in frames:
+      found = {path for path, fn in codes
+               if _holds_line(fn, frame.file_name, frame.line_num)}
+      if found:
+        return found
+  return set()
+
+
+def _tracebacks(jaxpr: Any, source: str):
+  """The call stacks of the equations of `jaxpr` (sub-jaxprs too) whose
+  source is `source`."""
+  for eqn in jaxpr.eqns:
+    if source_info_util.summarize(eqn.source_info) == source:
+      yield eqn.source_info.traceback.frames
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _tracebacks(sub, source)
 
 
 def _functions(module: Any) -> list[Any]:
-  own = [v for k in type(module).__mro__ for v in vars(k).values()]
+  bases = set(nnx.Module.__mro__)
+  own = [v for k in type(module).__mro__ if k not in bases
+         for v in vars(k).values()]
   return own + [v for v in vars(module).values() if callable(v)]
 
 
@@ -424,7 +450,7 @@ def localise_model(model: Union[nnx.Module, nn.Module],
   report = localise.find_nonfinite(f, params, backward=backward)
   own = None
   if report is not None and isinstance(model, nnx.Module):
-    blamed = _blame(model, loss_fn, batch, loss_scale, report)
+    blamed = _blame(model, loss_fn, batch, loss_scale, report, f)
     if blamed is not None:
       module, key, own = blamed
       report = dataclasses.replace(report, module=module)
