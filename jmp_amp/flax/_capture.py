@@ -20,7 +20,6 @@ which finds the shapes, then for real from zero counts of those shapes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -41,16 +40,15 @@ UNSET = np.iinfo(np.int32).max
 
 
 class Outputs(nnx.Intermediate):
-  """A module's method outputs, as counts (`capture`); ``methods`` are the
-  method names recorded."""
-  methods: tuple[str, ...] = ("__call__",)
+  """A module's method outputs, as counts (`capture`), of the methods whose
+  entries were made beforehand (``init``)."""
 
   def set_value(self, value, **kwargs):
     name = kwargs.get("index")
     if not (isinstance(name, str) and isinstance(value, tuple) and value):
       return super().set_value(value, **kwargs)
     # Module.sow: `value` is what was stored, plus this call's output.
-    if name not in self.methods:
+    if not self.records(name):
       return None
     *stored, out = value
     new = stats_lib.tree_counts(out)
@@ -67,10 +65,16 @@ class Outputs(nnx.Intermediate):
              "order": jnp.minimum(old["order"], new["order"])}
     return super().set_value((new,), **kwargs)
 
+  def records(self, name: str) -> bool:
+    return name in self.get_value()
 
-@functools.cache
-def _outputs_type(methods: tuple[str, ...]) -> type:
-  return type("Outputs", (Outputs,), {"methods": methods})
+
+class _Every(Outputs):
+  """`Outputs` of every method called (the abstract run, which finds them)."""
+
+  def records(self, name: str) -> bool:
+    del name
+    return True
 
 
 def _zeros(shape: tuple[int, ...]) -> dict[str, jax.Array]:
@@ -171,24 +175,25 @@ def _run(fn: Callable, model: nnx.Module, args: Sequence[Any], kind: type,
 def capture(fn: Callable[..., Any], model: nnx.Module, args: Sequence[Any],
             methods: Sequence[str] = ("__call__",)) -> tuple[Any, Captured]:
   """``fn(model, *args)`` and the counts of its modules' outputs."""
-  kind = _outputs_type(tuple(methods))
+  kind = Outputs
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
   graphdef, state = nnx.split(model)
 
-  def abstract(init):
+  def abstract(kind, init):
     def run(state):
       return _run(fn, nnx.merge(graphdef, state), args, kind, init)[1]
     return {k: tuple(v["max_abs"].shape)
-            for k, v in _flat(jax.eval_shape(run, state)).items()}
+            for k, v in _flat(jax.eval_shape(run, state)).items()
+            if k[1] in methods}
 
   try:
-    shapes = abstract(None)
+    shapes = abstract(_Every, None)
   except (TypeError, ValueError) as first:
     # A transform that needs its state's structure fixed (nnx.cond's
     # branches): every module's entries made beforehand, unstacked.
     every = {(p, m): () for p in modules for m in methods}
     try:
-      abstract(_init(every, kind))
+      abstract(kind, _init(every, kind))
     except (TypeError, ValueError):
       raise first from None  # Not a question of structure: the model's.
     shapes = every
