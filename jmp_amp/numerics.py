@@ -56,7 +56,10 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, backward: bool = True,
   each distinct primitive), plus one host check per equation. Meant for the
   rare step that went non-finite. Sub-jaxprs (`jit`, `custom_jvp`, remat)
   are entered; control flow (`cond`, `while`, `scan`) is one equation.
-  Module paths come from `jax.named_scope` scopes.
+  Module paths come from `jax.named_scope` scopes; for an NNX model, from
+  one jitted run under Flax's `nnx.capture`, which also names the module
+  inside an `nnx.remat` or `nnx.cond` and the block of a scanned stack
+  (``blocks/1/attn``, with the rule ``{"blocks/*/attn": "float32"}``).
 
   A Flax model: ``find_nonfinite(loss_fn, model, batch)``, with an NNX
   model or a linen module (and its `variables`) as the first argument

@@ -10,11 +10,8 @@ kind and direction once; the rest is marked slow.
 
 from __future__ import annotations
 
-import cProfile
 import functools
-import pstats
 import re
-import sys
 import warnings
 
 from flax import nnx
@@ -292,29 +289,29 @@ def test_tensor_stats_against_numpy():
 def test_tensor_stats_of_an_empty_tensor_are_zeros():
   """No elements: no largest value, and fractions of 0 (not 0 / 0)."""
   s = jmp_amp.numerics.tensor_stats(jnp.zeros((0, 3), jnp.bfloat16))
-  assert {k: float(v) for k, v in s.items()} == {
-      "max_abs": 0.0, "underflow": 0.0, "zeros": 0.0, "nonfinite": 0.0}
+  assert {k: v.item() for k, v in s.items()} == {
+      "max_abs": 0.0, "underflow": 0.0, "zeros": 0.0, "nonfinite": 0}
 
 
 @pytest.mark.parametrize("shapes", [((7, 3),), ((5, 11), (11,)), ((0,), (13,))])
-def test_counts_normalised_on_the_host_are_the_devices_statistics(shapes):
-  """A train step returns counts and its telemetry normalises them when read,
-  after `jax.device_get` with NumPy: the bits are those of `tree_stats`,
-  which normalises on the device. Sizes that are not powers of two (a
-  division there is not a multiply by an exact reciprocal)."""
+def test_counts_finished_on_the_host_are_the_devices_statistics(shapes):
+  """`finish` of counts brought to the host (NumPy) gives the bits the
+  device gives. Sizes that are not powers of two (a division there is not a
+  multiply by an exact reciprocal)."""
   from jmp_amp._src import tensor_stats as stats_lib  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   tree = [jnp.asarray(rng.choice([0.0, 1e-6, 2.0, np.inf, -3.0], size=s),
                       jnp.float32) for s in shapes]
-  counts, size = stats_lib.tree_counts(tree, jnp.float16)
-  host = stats_lib.normalise(jax.device_get(counts), size)
+  counts = stats_lib.tree_counts(tree, jnp.float16)
+  host = stats_lib.finish(jax.device_get(counts))
   device = stats_lib.tree_stats(tree, jnp.float16)
   assert list(host) == list(device) == list(stats_lib.STAT_NAMES)
   for name in host:
-    assert np.asarray(host[name]).dtype == np.float32, name
+    assert np.asarray(host[name]).dtype == (
+        np.uint32 if name == "nonfinite" else np.float32), name
     assert np.asarray(host[name]).tobytes() == np.asarray(
         device[name]).tobytes(), (name, host[name], device[name])
-  assert float(host["underflow"]) > 0 and float(host["nonfinite"]) > 0
+  assert float(host["underflow"]) > 0 and int(host["nonfinite"]) > 0
 
 
 def test_tree_stats_of_tensors_alike_share_one_trace():
@@ -326,7 +323,7 @@ def test_tree_stats_of_tensors_alike_share_one_trace():
   tree = {"a": block(1.0), "b": block(2.0), "c": (jnp.ones((2, 2)),)}
   jaxpr = jax.make_jaxpr(lambda t: {k: stats_lib.tree_stats(v)
                                     for k, v in t.items()})(tree).jaxpr
-  calls = [e for e in jaxpr.eqns if e.params.get("name") == "_leaves_stats"]
+  calls = [e for e in jaxpr.eqns if e.params.get("name") == "_leaves_counts"]
   assert len(calls) == 3
   assert len({id(e.params["jaxpr"]) for e in calls}) == 2
   s = jax.jit(lambda t: stats_lib.tree_stats(t["b"]))(tree)
@@ -358,7 +355,8 @@ def test_tensor_stats_count_exactly_past_2_to_the_24():
   assert float(s["zeros"]) == 1.0 and float(s["underflow"]) == 0.0
   mixed = jnp.zeros(2**25 + 3, jnp.float32).at[:2**24 + 2].set(jnp.inf)
   s = jax.jit(lambda t: stats_lib.tree_stats(t))({"a": mixed, "b": mixed})
-  assert float(s["nonfinite"]) == 2**25 + 4  # float32 holds it exactly
+  assert int(s["nonfinite"]) == 2**25 + 4 and s["nonfinite"].dtype == (
+      jnp.uint32)
   assert float(s["zeros"]) == pytest.approx((2**25 + 3 - 2**24 - 2)
                                             / (2**25 + 3), rel=1e-6)
   with pytest.raises(ValueError, match=r"at most 2\*\*32 - 1 elements"):
@@ -366,164 +364,72 @@ def test_tensor_stats_count_exactly_past_2_to_the_24():
                    jax.ShapeDtypeStruct((2**16, 2**16), jnp.bfloat16))
 
 
-def test_watch_records_selected_module_outputs():
+def test_output_stats_records_selected_module_outputs():
   model, _, (x, _) = _mlp()
-  with fnum.watch(model, ["layers/1", nnx.Linear]) as seen:
-    y = model(x)
-  assert list(seen.outputs) == ["layers/0", "layers/1", "layers/2"]
+  y, stats = fnum.output_stats(lambda m, x: m(x), model, x,
+                               select=["layers/1", nnx.Linear])
+  assert list(stats) == ["layers/0", "layers/1", "layers/2"]
   h = jax.nn.relu(model.layers[0](x))
   expected = float(jnp.max(jnp.abs(model.layers[1](h))))
-  assert float(seen.outputs["layers/1"]["max_abs"]) == pytest.approx(
+  assert float(stats["layers/1"]["out"]["max_abs"]) == pytest.approx(
       expected, rel=1e-6)
-  assert float(seen.outputs["layers/2"]["max_abs"]) == pytest.approx(
+  assert float(stats["layers/2"]["out"]["max_abs"]) == pytest.approx(
       float(jnp.max(jnp.abs(y))), rel=1e-6)
-  with fnum.watch(model, "layers/0") as seen:
-    model(x)
-  assert list(seen.outputs) == ["layers/0"]
+  _, stats = fnum.output_stats(lambda m, x: m(x), model, x,
+                               select="layers/0")
+  assert list(stats) == ["layers/0"]
 
 
-def test_watch_chains_and_restores_a_previous_profiler():
-  model, _, (x, _) = _mlp()
-  calls = []
-  profiler = lambda frame, event, arg: calls.append(event)
-  sys.setprofile(profiler)
-  try:
-    with fnum.watch(model, "**") as seen:
-      model(x)
-    assert sys.getprofile() is profiler
-  finally:
-    sys.setprofile(None)
-  assert "call" in calls and len(seen.outputs) == 4  # the root and 3 layers
+def test_output_stats_of_a_module_called_twice_counts_both_calls():
+  layer = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(0))
+  layer.kernel[...] = jnp.eye(2)
+  twice = lambda m, x: (m(x), m(jnp.array([[0.0, 1e-6], [1e-6, 8.0]])))
+  _, stats = nnx.jit(lambda m, x: fnum.output_stats(twice, m, x))(
+      layer, jnp.array([[1.0, 0.0]]))
+  out = stats[""]["out"]
+  assert float(out["max_abs"]) == 8.0
+  assert float(out["zeros"]) == pytest.approx(2 / 6)  # of all 6 elements
+  assert float(out["underflow"]) == 0.0  # float32 outputs
 
 
-def test_watch_under_cprofile_records_and_leaves_the_profiler_running():
-  # Before Python 3.12 cProfile holds the profile slot as a C function that
-  # Python cannot call: chaining to it raised TypeError, so a profiled
-  # training run with telemetry crashed (#33).
-  model, _, (x, _) = _mlp()
-  profiler = cProfile.Profile()
-
-  def after_watch():
-    return None
-
-  profiler.enable()
-  try:
-    with fnum.watch(model, "**") as seen:
-      model(x)
-    after_watch()
-  finally:
-    profiler.disable()
-  assert len(seen.outputs) == 4  # the root and 3 layers
-  profiled = {name for _, _, name in pstats.Stats(profiler).stats}
-  assert "after_watch" in profiled
+def test_no_profile_or_trace_hook_is_left_in_the_package():
+  import pathlib  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(jmp_amp.__file__).parent
+  for path in root.rglob("*.py"):
+    text = path.read_text()
+    for hook in ("sys.monitoring", "sys.setprofile", "sys.settrace"):
+      assert hook not in text, (path, hook)
 
 
-def test_watch_refuses_when_a_c_profiler_and_a_tracer_hold_both_slots():
-  if sys.version_info >= (3, 12):
-    pytest.skip("cProfile takes neither slot on Python 3.12+")
-  model, _, (x, _) = _mlp()
-  profiler = cProfile.Profile()
-  tracer = lambda frame, event, arg: None
-  previous_trace = sys.gettrace()  # pytest's own coverage, if any
-  profiler.enable()
-  sys.settrace(tracer)
-  try:
-    with pytest.raises(RuntimeError, match=r"both are taken: by a C-level "
-                       r"profiler \(Profile.*a trace function"):
-      with fnum.watch(model, "**"):
-        model(x)
-    assert sys.gettrace() is tracer
-  finally:
-    sys.settrace(previous_trace)
-    profiler.disable()
-
-
-needs_monitoring = pytest.mark.skipif(
-    sys.version_info < (3, 12), reason="sys.monitoring is Python 3.12+")
-
-
-@needs_monitoring
-def test_watch_takes_no_profile_or_trace_slot_on_python_3_12():
-  # sys.monitoring events on the modules' methods only: tracing anything
-  # else costs nothing (#33), and debuggers, coverage, profilers keep theirs.
-  model, _, (x, _) = _mlp()
-  trace = sys.gettrace()
-  with fnum.watch(model, "**") as seen:
-    assert sys.getprofile() is None and sys.gettrace() is trace
-    held = [sys.monitoring.get_tool(i) for i in range(6)]
-    model(x)
-  assert "jmp_amp.flax.numerics" in held
-  assert "jmp_amp.flax.numerics" not in [
-      sys.monitoring.get_tool(i) for i in range(6)]
-  assert len(seen.outputs) == 4  # the root and 3 layers
-
-
-@needs_monitoring
-def test_watch_falls_back_to_a_profile_function_without_a_free_tool_id():
-  model, _, (x, _) = _mlp()
-  taken = [i for i in (3, 4) if sys.monitoring.get_tool(i) is None]
-  for i in taken:
-    sys.monitoring.use_tool_id(i, "test")
-  try:
-    with fnum.watch(model, "**") as seen:
-      assert sys.getprofile() is not None
-      model(x)
-  finally:
-    for i in taken:
-      sys.monitoring.free_tool_id(i)
-  assert sys.getprofile() is None and len(seen.outputs) == 4
-
-
-def test_a_caught_exception_closes_its_modules_scope():
-  # A module call that raises, caught by its parent: the later ops are not
-  # named after it, and it records nothing.
-  from jmp_amp._src import localise  # pylint: disable=g-import-not-at-top
-
-  class Boom(nnx.Module):
-
-    def __call__(self, x):
-      raise ValueError("boom")
-
-  class Parent(nnx.Module):
+def test_an_inherited_call_that_capture_cannot_see_warns():
+  class Base(nnx.Module):
 
     def __init__(self):
-      self.boom = Boom()
       self.dense = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 
     def __call__(self, x):
-      try:
-        self.boom(x)
-      except ValueError:
-        pass
-      return jnp.sin(self.dense(x))
+      return self.dense(x)
 
-  model = Parent()
+  class Child(Base):
+    pass
 
-  def f(x):
-    with fnum.watch(model, "**") as seen:
-      y = model(x)
-    return y, seen.outputs
-
-  eqns = jax.make_jaxpr(f)(jnp.ones((1, 2))).jaxpr.eqns
-  sin = [e for e in eqns if e.primitive.name == "sin"]
-  assert [localise.module_of(str(e.source_info.name_stack))
-          for e in sin] == [""]
-  assert sorted(jax.eval_shape(f, jnp.ones((1, 2)))[1]) == ["", "dense"]
+  with pytest.warns(UserWarning, match=r"modules '' \(Child, __call__ of "
+                    r"Base\) are not recorded"):
+    _, stats = fnum.output_stats(lambda m, x: m(x), Child(), jnp.ones((1, 2)))
+  assert list(stats) == ["dense"]
 
 
-def test_watch_linen_records_and_scopes():
+def test_output_stats_linen_records_and_scopes():
   module = models.LinenMLP(8, 4, 2, width=16)
   x = jnp.ones((2, 8))
   variables = module.init(jax.random.key(0), x)
 
   def f(v):
-    with fnum.watch(None, "**") as seen:
-      y = module.apply(v, x)
-    return y, seen.outputs
+    return fnum.output_stats(lambda _, x: module.apply(v, x), None, x)
 
   y, outputs = jax.jit(f)(variables)
   assert "" in outputs and len(outputs) == 3
-  assert float(outputs[""]["max_abs"]) == pytest.approx(
+  assert float(outputs[""]["out"]["max_abs"]) == pytest.approx(
       float(jnp.max(jnp.abs(y))))
   from jmp_amp._src import localise  # pylint: disable=g-import-not-at-top
   eqns = jax.make_jaxpr(f)(variables).jaxpr.eqns
@@ -775,8 +681,7 @@ def test_telemetry_select_that_matches_nothing_warns():
     assert fnum.grad_stats(model, grads, "nothing/**") == {}
   with pytest.warns(UserWarning, match="select LayerNorm matches no module "
                     "of MLP: no module is an instance of it"):
-    with fnum.watch(model, nnx.LayerNorm):
-      pass
+    fnum.output_stats(lambda m: None, model, select=nnx.LayerNorm)
 
 
 def test_telemetry_select_that_matches_nothing_warns_for_linen():
@@ -788,10 +693,10 @@ def test_telemetry_select_that_matches_nothing_warns_for_linen():
   variables = module.init(jax.random.key(0), jnp.ones((2, 8)))
   with pytest.warns(UserWarning, match=r"select 'blocks/\*' matches no "
                     r"module path of the linen modules called"):
-    with fnum.watch(None, "blocks/*"):
-      module.apply(variables, jnp.ones((2, 8)))
+    fnum.output_stats(lambda _, x: module.apply(variables, x), None,
+                      jnp.ones((2, 8)), select="blocks/*")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    with fnum.watch(None, "**") as seen:
-      module.apply(variables, jnp.ones((2, 8)))
-  assert seen.outputs
+    _, stats = fnum.output_stats(lambda _, x: module.apply(variables, x),
+                                 None, jnp.ones((2, 8)))
+  assert stats

@@ -373,7 +373,7 @@ PUBLIC = {
     "jmp_amp.flax.fp8": ("FP8Meta", "FP8Policy", "histories",
                          "value_and_grad"),
     "jmp_amp.numerics": ("find_nonfinite", "format_stats", "tensor_stats"),
-    "jmp_amp.flax.numerics": ("grad_stats", "watch"),
+    "jmp_amp.flax.numerics": ("grad_stats", "output_stats"),
     "jmp_amp.optim": ("compress_state", "low_precision_params",
                       "stochastic_round"),
     "jmp_amp.checkpoint": ("CheckpointError", "CheckpointManager",

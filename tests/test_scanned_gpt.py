@@ -285,10 +285,8 @@ def test_telemetry_per_block_matches_the_unscanned_model(policy, rtol, atol):
     "mixed_bfloat16",
     jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(), keep_first_last=False)],
     ids=["bf16", "fp8"])
-def test_a_scanned_steps_telemetry_outputs_do_not_grow_with_its_blocks(policy):
-  """A stack's statistics leave the step stacked, one array per stack and
-  kind, not one scalar per block (each a kernel of its own; issue #33); the
-  entries per block are read from them on lookup."""
+def test_a_scanned_steps_telemetry_has_an_entry_per_block(policy):
+  """Each block of a stack has its own entries, alike at any depth."""
   def numerics(layers):  # traced only
     model = gpt.GPT(**dict(CONFIG, num_layers=layers), scan_layers=True,
                     rngs=nnx.Rngs(0))
@@ -309,9 +307,8 @@ def test_a_scanned_steps_telemetry_outputs_do_not_grow_with_its_blocks(policy):
   assert block(large, 3) == block(large, 0) == block(small, 1)
   assert "/attn/qkv" in block(large, 3)
   assert len(large) - len(small) == 2 * len(block(small, 1))
-  # The same outputs at any depth: the stacks' arrays, a row per block.
-  assert len(jax.tree.leaves(large)) == len(jax.tree.leaves(small))
-  assert {x.shape[0] for x in jax.tree.leaves(large) if x.ndim} == {4}
+  # A plain dict of scalars, an entry per block.
+  assert {x.shape for x in jax.tree.leaves(large)} == {()}
   entry = large["blocks/3/mlp/fc"]
   fp8 = isinstance(policy, jmp_amp.flax.fp8.FP8Policy)
   assert sorted(entry) == ["fp8", "grad", "out"][not fp8:]
@@ -323,15 +320,14 @@ def test_a_scanned_steps_telemetry_outputs_do_not_grow_with_its_blocks(policy):
                                                             "grad")}
 
 
-def test_watch_selects_blocks_of_the_stack_by_their_unscanned_paths():
+def test_output_stats_selects_blocks_of_the_stack_by_unscanned_paths():
   plain, scanned = models()
   graphdef = nnx.graphdef(scanned)
 
   def outputs(model, select):  # traced only: the entries and their shapes
     def run(model):
-      with jmp_amp.flax.numerics.watch(model, select) as seen:
-        model(TOKENS)
-      return seen.outputs
+      return jmp_amp.flax.numerics.output_stats(
+          lambda m, x: m(x), model, TOKENS, select=select)[1]
     return nnx.eval_shape(run, model)
 
   got = outputs(scanned, ["blocks/1/mlp", "blocks/attn/qkv", "ln_f"])
@@ -340,7 +336,7 @@ def test_watch_selects_blocks_of_the_stack_by_their_unscanned_paths():
                          "blocks/1/mlp", "blocks/2/attn/qkv", "ln_f"]
   assert jax.tree.structure(got) == jax.tree.structure(want)
   assert {x.shape for x in jax.tree.leaves(got)} == {()}
-  assert nnx.graphdef(scanned) == graphdef  # the marks are gone
+  assert nnx.graphdef(scanned) == graphdef  # the captures are gone
   with pytest.warns(UserWarning, match=r"select 'blocks/3/mlp' matches no "
                     r"module path of GPT \(paths are like 'blocks', "
                     r"'blocks/0', "):

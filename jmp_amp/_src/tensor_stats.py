@@ -24,8 +24,8 @@ def tensor_stats(x: jax.Array, dtype: Optional[Any] = None
   Example:
     >>> s = tensor_stats(jnp.array([0.0, 1e-6, 3.0, jnp.inf], jnp.float32),
     ...                  dtype=jnp.float16)
-    >>> {k: float(v) for k, v in s.items()}
-    {'max_abs': 3.0, 'underflow': 0.25, 'zeros': 0.25, 'nonfinite': 1.0}
+    >>> {k: v.item() for k, v in s.items()}
+    {'max_abs': 3.0, 'underflow': 0.25, 'zeros': 0.25, 'nonfinite': 1}
 
   Args:
     x: the array (any floating dtype; not floating: a TypeError).
@@ -33,17 +33,22 @@ def tensor_stats(x: jax.Array, dtype: Optional[Any] = None
       module's compute dtype; default ``x.dtype``.
 
   Returns:
-    A dict of float32 scalars: ``max_abs`` (largest finite ``|x|``),
+    A dict of scalars: ``max_abs`` (float32, the largest finite ``|x|``),
     ``underflow`` (the fraction of non-zero finite values below `dtype`'s
     smallest normal: subnormal there, or flushed to zero by a kernel that
     flushes), ``zeros`` (the fraction of exact zeros: flushed or underflowed
-    values end here) and ``nonfinite`` (the count of inf/NaN).
+    values end here), both float32, and ``nonfinite`` (the count of inf/NaN,
+    an exact uint32).
   """
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"tensor_stats takes a floating array, got {x.dtype}")
   _check_size(x.size)
-  return _in_order(_leaves_stats((x,), dtype))
+  if not x.size:
+    return finish({"max_abs": jnp.zeros((), jnp.float32),
+                   **{k: jnp.zeros((), jnp.uint32)
+                      for k in STAT_NAMES[1:] + ("size",)}})
+  return tree_stats(x, dtype)
 
 
 # The counts are uint32, exact to 2**32 - 1 elements. (float32 counts stop
@@ -79,59 +84,50 @@ def _counts(x: jax.Array, dtype: Optional[Any]) -> tuple[jax.Array, ...]:
       tuple(range(x.ndim))))
 
 
-def normalise(counts: dict[str, tuple[Any, ...]], size: int
-              ) -> dict[str, Any]:
-  """The statistics of `size` elements from their `tree_counts`, the
-  leaves' counts combined (device or host values: NumPy's uint32 and
-  float32 ops are XLA's, so the bits are the same). An empty tree's
-  fractions are 0, not 0 / 0."""
-  xp = jnp if isinstance(counts["max_abs"][0], jax.Array) else np
-  total = {name: functools.reduce(xp.maximum if name == "max_abs"
-                                  else operator.add, per_leaf)
-           for name, per_leaf in counts.items()}
-  f32 = lambda n: n.astype(np.float32)
-  size = np.float32(max(size, 1))
-  return {"max_abs": total["max_abs"],
-          "underflow": f32(total["underflow"]) / size,
-          "zeros": f32(total["zeros"]) / size,
-          "nonfinite": f32(total["nonfinite"])}
+def tree_counts(tree: Any, dtype: Optional[Any] = None
+                ) -> Optional[dict[str, jax.Array]]:
+  """The counts behind `tree_stats`, of the floating leaves of `tree`
+  together: ``max_abs`` (float32) and the exact uint32 counts
+  ``underflow``, ``zeros``, ``nonfinite`` and ``size``; None if there are
+  no floating leaves. Counts of several calls add up (`add_counts`), and
+  `finish` turns them into statistics."""
+  leaves = _floating_leaves(tree)
+  if not leaves:
+    return None
+  size = sum(int(np.size(leaf)) for leaf in leaves)
+  _check_size(size)
+  per_leaf = _leaves_counts(leaves, dtype)
+  total = {name: functools.reduce(
+      jnp.maximum if name == "max_abs" else operator.add, per_leaf[name])
+           for name in STAT_NAMES}
+  total["size"] = jnp.asarray(size, jnp.uint32)
+  return total
 
 
-def merge_stats(a: dict[str, jax.Array], b: dict[str, jax.Array]
-                ) -> dict[str, jax.Array]:
-  """Statistics of two tensors taken together (fractions averaged)."""
-  return {
-      "max_abs": jnp.maximum(a["max_abs"], b["max_abs"]),
-      "underflow": (a["underflow"] + b["underflow"]) / 2,
-      "zeros": (a["zeros"] + b["zeros"]) / 2,
-      "nonfinite": a["nonfinite"] + b["nonfinite"],
-  }
+def add_counts(a: dict[str, jax.Array], b: dict[str, jax.Array]
+               ) -> dict[str, jax.Array]:
+  """The counts of two calls taken together."""
+  return {k: jnp.maximum(a[k], b[k]) if k == "max_abs" else a[k] + b[k]
+          for k in a}
+
+
+def finish(counts: dict[str, Any]) -> dict[str, Any]:
+  """The statistics of `tree_counts` (device or host values): fractions of
+  all the elements counted (0 of none), ``nonfinite`` an exact uint32."""
+  xp = jnp if isinstance(counts["size"], jax.Array) else np
+  size = xp.maximum(counts["size"], 1).astype(np.float32)
+  return {"max_abs": counts["max_abs"],
+          "underflow": counts["underflow"].astype(np.float32) / size,
+          "zeros": counts["zeros"].astype(np.float32) / size,
+          "nonfinite": counts["nonfinite"]}
 
 
 def tree_stats(tree: Any, dtype: Optional[Any] = None
                ) -> Optional[dict[str, jax.Array]]:
   """`tensor_stats` of the floating leaves of a pytree taken together (the
   fractions are of all their elements), or None if there are none."""
-  leaves = _floating_leaves(tree)
-  if not leaves:
-    return None
-  _check_size(sum(int(np.size(leaf)) for leaf in leaves))
-  return _in_order(_leaves_stats(leaves, dtype))
-
-
-def tree_counts(tree: Any, dtype: Optional[Any] = None
-                ) -> Optional[tuple[dict[str, jax.Array], int]]:
-  """``(counts, size)``: `tree_stats` before `normalise`, each statistic's
-  value per leaf, the counts exact uint32 (a train step returns these and
-  its telemetry combines and normalises them when read: a module's
-  statistics are then its leaves' reductions alone, without a tail of
-  scalar kernels; issue #33), or None."""
-  leaves = _floating_leaves(tree)
-  if not leaves:
-    return None
-  size = sum(int(np.size(leaf)) for leaf in leaves)
-  _check_size(size)
-  return _in_order(_leaves_counts(leaves, dtype)), size
+  counts = tree_counts(tree, dtype)
+  return None if counts is None else finish(counts)
 
 
 def _floating_leaves(tree: Any) -> tuple[jax.Array, ...]:
@@ -139,11 +135,6 @@ def _floating_leaves(tree: Any) -> tuple[jax.Array, ...]:
       jnp.asarray(leaf) for leaf in jax.tree_util.tree_leaves(tree)
       if (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
           and np.size(leaf)))
-
-
-def _in_order(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """`stats` in `STAT_NAMES` order (a jitted call returns its dict sorted)."""
-  return {k: stats[k] for k in STAT_NAMES}
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -157,14 +148,6 @@ def _leaves_counts(leaves: tuple[jax.Array, ...], dtype: Optional[Any]
   """
   per_leaf = [_counts(jax.lax.stop_gradient(leaf), dtype) for leaf in leaves]
   return dict(zip(STAT_NAMES, zip(*per_leaf)))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _leaves_stats(leaves: tuple[jax.Array, ...], dtype: Optional[Any]
-                  ) -> dict[str, jax.Array]:
-  """`normalise` of `_leaves_counts`, one jitted call."""
-  return normalise(_leaves_counts(leaves, dtype),
-                   sum(leaf.size for leaf in leaves))
 
 
 def format_stats(stats: dict[str, dict[str, Any]], *, top: int = 0) -> str:

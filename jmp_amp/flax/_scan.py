@@ -1,4 +1,5 @@
-"""Scanned stacks: one module object standing for the blocks of a stack.
+"""Scanned stacks as policy rules see them: one module object standing for
+the blocks of a stack.
 
 A model that stacks its blocks with `nnx.vmap` and runs them under `nnx.scan`
 (``jmp_amp.models.GPT(..., scan_layers=True)``) holds one module per layer of
@@ -10,12 +11,11 @@ LinearGeneral, Einsum, Conv, Embed, the norms) all have the same leading axes
 in front of the rank their own attributes give; each module inside it has one
 *block path* per block, the block's index put after the root's path.
 
-Path patterns (of policy rules and telemetry selections) match a stacked
-module's block paths, as they match the unscanned model's paths; its own path
-counts when written out exactly. Rules must decide every block of a stack
-alike (`resolve`); telemetry reports one entry per block, under its block
-path (`StackWatch`, `Stacks.select`), read from the statistics stacked over
-the blocks (`StatsTable`).
+Rule patterns match a stacked module's block paths, as they match the
+unscanned model's paths; its own path counts when written out exactly. Rules
+must decide every block of a stack alike (`resolve`). (Rules are resolved
+before the model runs, so from its Variables' shapes; telemetry knows its
+stacks from the run itself, see `jmp_amp.flax._capture`.)
 """
 
 from __future__ import annotations
@@ -24,17 +24,13 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from flax import nnx
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jmp_amp._src import tensor_stats as stats_lib
 from jmp_amp.flax import _fp8_op as fp8_op_lib
 from jmp_amp.flax import _norm_names
-from jmp_amp.flax import _stats_table as table_lib
 from jmp_amp.flax import rules as rules_lib
-
-_CONTAINERS = (nnx.List, nnx.Dict)
+from jmp_amp.flax._paths import CONTAINERS as _CONTAINERS
+from jmp_amp.flax._paths import path_str
 _NORMS = tuple(c for c in rules_lib.NORM_CLASSES if issubclass(c, nnx.Module))
 
 
@@ -59,10 +55,6 @@ def _leading_axes(module: Any) -> Optional[tuple[int, ...]]:
     return None
   shape = tuple(var.get_value().shape)
   return shape[:len(shape) - rank]
-
-
-def path_str(path: tuple) -> str:
-  return "/".join(str(p) for p in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,38 +97,6 @@ class Stacks:
       return []
     return [(idx, root + idx + path[len(root):])
             for idx in np.ndindex(*self.roots[root])]
-
-  def select(self, selector: Any, name: str, module: Any
-             ) -> list[tuple[str, Optional[tuple]]]:
-    """``(key, block index)`` of what `selector` picks of the module at
-    path `name`: the module (index None) or, in a stack, the blocks whose
-    block path it picks (all of them if it names the module's own path)."""
-    blocks = self.blocks(self.paths[name]) if name in self.paths else []
-    if not blocks:
-      return [(name, None)] if selector(name, module) else []
-    whole = name in selector.keys
-    return [(path_str(b), idx) for idx, b in blocks
-            if whole or selector(path_str(b), module)]
-
-  def stats(self, selector: Any, name: str, module: Any, values: list,
-            dtype: Any, kind: str) -> table_lib.StatsTable:
-    """``{key: {kind: tree_stats(values)}}`` of what `selector` picks of the
-    module at `name`, per block in a stack (`values` then hold every block;
-    the blocks' statistics stay stacked, see `StatsTable`)."""
-    picked = self.select(selector, name, module)
-    if not picked or picked[0][1] is None:
-      counts = stats_lib.tree_counts(values, dtype) if picked else None
-      return (table_lib.StatsTable() if counts is None else
-              table_lib.StatsTable.counted(name, kind, *counts))
-    stats = lambda vs: stats_lib.tree_stats(vs, dtype)
-    for _ in picked[0][1]:  # one vmap per stacked axis
-      stats = jax.vmap(stats)
-    s = stats(values)
-    if s is None:
-      return table_lib.StatsTable()
-    rows = jnp.stack([s[k] for k in stats_lib.STAT_NAMES], -1)
-    return table_lib.StatsTable.stacked(kind, name, rows,
-                                        stats_lib.STAT_NAMES, picked)
 
   def candidates(self, modules: Sequence[tuple[tuple, Any]]
                  ) -> dict[str, Any]:
@@ -212,81 +172,3 @@ def _mixed_blocks(stacks: Stacks, path: tuple, blocks: list,
       f"the model with its blocks unstacked (e.g. GPT(..., "
       f"scan_layers=False)), or split the stack into stacks whose blocks "
       f"share a policy.")
-
-
-# --------------------------------------------------------------------------
-# Telemetry.
-
-
-class _BlockStats(nnx.Variable):
-  """Output statistics of a stacked module, one row per block."""
-
-
-_MARK = "_jmp_amp_stack_path"
-_STATS = "_jmp_amp_block_stats"
-
-
-class StackWatch:
-  """Marks on the stacked modules of a model while `watch` is active.
-
-  The copies of these modules that `nnx.scan` / `nnx.vmap` make inside
-  their traced body carry the marks: `path` names their module path, and
-  `record` writes the statistics of a selected module's output into its
-  `_BlockStats` variable, which the transform stacks, one row per block.
-  `close` reads them into ``{block path: stats}`` and removes the marks.
-  """
-
-  def __init__(self, model: nnx.Module, selector: Any):
-    modules = [(tuple(p), m) for p, m in nnx.iter_modules(model)]
-    self.stacks = Stacks.find(modules)
-    self.candidates = self.stacks.candidates(modules)
-    self.marked = []
-    for path, module in modules:
-      blocks = self.stacks.blocks(path)
-      if not blocks:
-        continue
-      setattr(module, _MARK, path_str(path))
-      picked = [] if selector is None else self.stacks.select(
-          selector, path_str(path), module)
-      initial = None
-      if picked:
-        # nonfinite = -1: no call recorded yet.
-        shape = self.stacks.roots[self.stacks.root(path)]
-        initial = jnp.full(shape + (len(stats_lib.STAT_NAMES),), -1.0)
-        setattr(module, _STATS, _BlockStats(initial))
-      self.marked.append((module, picked, initial))
-
-  @staticmethod
-  def path(obj: Any) -> Optional[str]:
-    """The module path a (copy of a) marked module stands for, or None."""
-    return vars(obj).get(_MARK) if isinstance(obj, nnx.Module) else None
-
-  @staticmethod
-  def record(module: Any, out: Any) -> None:
-    """Merges the statistics of `out` into `module`'s block row, if any."""
-    var = vars(module).get(_STATS)
-    new = None if var is None else stats_lib.tree_stats(out)
-    if new is None:
-      return
-    old = var.get_value()
-    old_stats = dict(zip(stats_lib.STAT_NAMES, jnp.moveaxis(old, -1, 0)))
-    merged = stats_lib.merge_stats(old_stats, new)
-    row = lambda s: jnp.stack([s[k] for k in stats_lib.STAT_NAMES], -1)
-    unset = old_stats["nonfinite"][..., None] < 0  # the block's first call
-    var.set_value(jnp.where(unset, row(new), row(merged)))
-
-  def close(self) -> table_lib.StatsTable:
-    """The recorded rows, ``{block path: {"out": stats}}``; removes the
-    marks."""
-    tables = []
-    for module, picked, initial in self.marked:
-      var = vars(module).get(_STATS)
-      if var is not None:
-        delattr(module, _STATS)
-        rows = var.get_value()
-        if rows is not initial:  # the module was called
-          tables.append(table_lib.StatsTable.stacked(
-              "out", vars(module)[_MARK], rows, stats_lib.STAT_NAMES, picked))
-      if _MARK in vars(module):
-        delattr(module, _MARK)
-    return table_lib.StatsTable.union(tables)

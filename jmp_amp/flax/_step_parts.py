@@ -7,7 +7,6 @@ state put back in its old types, and the metrics with their numerics.
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
-import warnings
 
 from flax import nnx
 import jax
@@ -19,7 +18,6 @@ from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src.scaling_state import scaling_metrics
 from jmp_amp.flax import _fp8_op
-from jmp_amp.flax import numerics as numerics_lib
 
 AutocastSpec = Union[None, str, Policy, Any, Callable[[Callable], Callable]]
 
@@ -103,12 +101,3 @@ def step_metrics(opt_state: Any, loss: jax.Array, aux: Any, has_aux: bool):
   if has_aux:
     metrics["aux"] = aux
   return metrics
-
-
-def grad_stats(model: Any, grads: Any, numerics: Any):
-  """The selected modules' gradient statistics, a `StatsTable`."""
-  # `watch` has already warned about a select that matches no module.
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", "jmp_amp.flax.numerics: select",
-                            UserWarning)
-    return numerics_lib.grad_table(model, grads, numerics)

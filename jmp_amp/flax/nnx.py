@@ -77,7 +77,7 @@ from jmp_amp.flax import _fp8 as fp8_lib
 from jmp_amp.flax import _fp8_op as fp8_op_lib
 from jmp_amp.flax import _fp8_policy as fp8_policy_lib
 from jmp_amp.flax import _fp8_select as fp8_select
-from jmp_amp.flax import _owners as owners_lib
+from jmp_amp.flax import _paths as owners_lib
 from jmp_amp.flax import _scan
 from jmp_amp.flax import rules as rules_lib
 
@@ -182,12 +182,12 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
     _remove(module)
     if res.policy is not None:
       problem = _apply(module, res.policy,
-                       cast_output=rules_lib.casts_output(_path_str(path),
+                       cast_output=rules_lib.casts_output(owners_lib.path_str(path),
                                                           res),
                        explicit=res.source == "rule",
                        fp8=path in fp8_paths, path=path)
       if problem:
-        problems.append(f"{_path_str(path) or '<root>'!r} "
+        problems.append(f"{owners_lib.path_str(path) or '<root>'!r} "
                         f"({type(module).__name__}) {problem}")
   _cast_params(model, {p: resolved[p].policy for p, _ in modules})
   if problems:
@@ -223,7 +223,7 @@ def get_policies(model: nnx.Module) -> dict[str, Any]:
   if not isinstance(model, nnx.Module):
     raise TypeError(f"get_policies expects an nnx.Module, got "
                     f"{type(model).__name__}")
-  return {_path_str(p): _policy(m) for p, m in _modules(model)}
+  return {owners_lib.path_str(p): _policy(m) for p, m in _modules(model)}
 
 
 def clear_policies(model: M) -> M:
@@ -309,10 +309,6 @@ def cast_boundary(method: F) -> F:
 def _policy(module: nnx.Module) -> Any:
   applied = vars(module).get(_ATTR)
   return None if applied is None else applied.policy
-
-
-def _path_str(path: tuple) -> str:
-  return "/".join(str(p) for p in path)
 
 
 def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:

@@ -1,17 +1,16 @@
 """Per-module numerics of Flax models: telemetry in the step, and the op that
 made the first inf/NaN.
 
-* `watch(model, select)`: a context manager for the code that calls the
-  model inside a traced function. Every module call runs under a
-  `jax.named_scope` naming its path (``@blocks.0.attn`` for
-  ``blocks/0/attn``), and the modules `select` picks have the range
-  statistics of their outputs recorded (`jmp_amp.numerics.tensor_stats`:
-  max ``|x|``, underflow and zero fractions, inf/NaN count), on device, as
-  part of the traced computation. `grad_stats(model, grads, select)` does the
-  same for the gradients of each module's params. ``make_train_step(...,
-  numerics=select)`` does both and returns them as ``metrics["numerics"]``
-  (``{path: {"out": stats, "grad": stats}}``); print them with
-  `jmp_amp.numerics.format_stats`.
+* `output_stats(fn, model, *args, select=...)`: runs ``fn(model, *args)``
+  and returns, with its result, the range statistics of the selected
+  modules' outputs (`jmp_amp.numerics.tensor_stats`: max ``|x|``, underflow
+  and zero fractions, inf/NaN count), on device, as part of the traced
+  computation. `grad_stats(model, grads, select)` does the same for the
+  gradients of each module's params. ``make_train_step(..., numerics=select)``
+  does both and returns them as ``metrics["numerics"]``, a plain nested dict
+  ``{path: {"out": stats, "grad": stats}}`` of arrays (print it with
+  `jmp_amp.numerics.format_stats`, log it with
+  ``flax.traverse_util.flatten_dict``).
 * `localise_model(model, loss_fn, batch)`: what
   ``jmp_amp.numerics.find_nonfinite(loss_fn, model, batch)`` runs for a Flax
   model: the first op making inf/NaN, its module path, a float32 rule for
@@ -23,204 +22,140 @@ made the first inf/NaN.
 `select` uses the glob dialect of `jmp_amp.flax.rules`: a path pattern
 (``"blocks/*/attn"``, ``"**"`` or ``"*"`` for every module), a module class
 (``nnx.Linear``), or a sequence of them. A module of a scanned stack (blocks
-stacked by `nnx.vmap`, run by `nnx.scan`) reports one entry per block, under
-its path in the unscanned model (``blocks/0/attn``), which patterns match.
+stacked by `nnx.vmap`, run by `nnx.scan` or a `jax.lax.scan` over their
+split state) reports one entry per block, under its path in the unscanned
+model (``blocks/0/attn``), which patterns match.
 
-How module calls are seen: linen through `flax.linen.intercept_methods`;
-NNX, which has no method interceptor, through the interpreter, only while
-`watch` is active (at trace time), on calls of the public methods and
-``__call__`` of the model's modules: `sys.monitoring` events on those
-methods alone (Python 3.12+), or a `sys.setprofile` hook, after any Python
-profile function there (a C-level one, cProfile before 3.12, keeps running
-and the hook uses `sys.settrace`). See `jmp_amp/flax/_calls.py`.
+How module calls are seen: NNX through Flax's `nnx.capture`, whose
+``method_outputs`` sows each module's ``__call__`` output (other methods on
+request) into a Variable type of ours that keeps only its counts: they are
+state, which `nnx.remat`, `nnx.cond`, `nnx.scan`, `nnx.vmap` and `nnx.jit`
+carry (see `jmp_amp/flax/_capture.py`); linen through
+`flax.linen.intercept_methods`. Flax's capture instruments the methods a
+module's class defines itself: a class that inherits ``__call__`` from a
+base class that no module of the model has as its own type is not seen
+(telemetry warns, naming them), and a transform that drops a module's state
+(a `jax.lax.scan` body that does not return its blocks' state) drops its
+record too.
 
 Example:
   >>> import jmp_amp.flax.numerics as numerics
   >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
   ...                        nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
-  >>> with numerics.watch(model, "layers/*") as seen:
-  ...   y = model(jnp.full((1, 2), 1e4, jnp.float16))
-  >>> sorted(seen.outputs), int(seen.outputs["layers/1"]["nonfinite"])
+  >>> x = jnp.full((1, 2), 1e4, jnp.float16)
+  >>> y, stats = numerics.output_stats(lambda m, x: m(x), model, x,
+  ...                                  select="layers/*")
+  >>> sorted(stats), int(stats["layers/1"]["out"]["nonfinite"])
   (['layers/0', 'layers/1'], 0)
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import warnings
 
 from flax import linen as nn
 from flax import nnx
 import jax
+import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_amp._src import fp8 as fp8_core
 from jmp_amp._src import localise
 from jmp_amp._src import tensor_stats as stats_lib
-from jmp_amp.flax import _calls as calls_lib
-from jmp_amp.flax import _fp8 as fp8_layers
-from jmp_amp.flax import _scan as scan_lib
-from jmp_amp.flax import _select as select_lib
-from jmp_amp.flax import _stats_table as table_lib
+from jmp_amp.flax import _capture
+from jmp_amp.flax import _paths
 from jmp_amp.flax import nnx as nnx_lib
 from jmp_amp.flax import rules as rules_lib
 
-__all__ = ("grad_stats", "watch")
+__all__ = ("grad_stats", "output_stats")
 
-Select = select_lib.Select
-_Selector = select_lib.Selector
-
-
-def _selector(select: Select) -> Optional[_Selector]:
-  return None if select is None else _Selector(select)
+Select = _paths.Select
+Stats = dict[str, dict[str, dict[str, Any]]]
 
 
-class Seen:
-  """What `watch` recorded: ``outputs``, ``{path: stats}``."""
-
-  def __init__(self, select: Optional[_Selector]):
-    self.select = select
-    # path -> the `tree_counts` of each call; the stacks' blocks (`watch`
-    # fills them in when it ends).
-    self.calls: dict[str, list[tuple[dict[str, jax.Array], int]]] = {}
-    self.stacked = table_lib.StatsTable()
-
-  @property
-  def outputs(self) -> dict[str, dict[str, jax.Array]]:
-    """``{path: stats}`` (each read is arrays of the trace)."""
-    return {path: e["out"] for path, e in self.table().items()}
-
-  def table(self) -> table_lib.StatsTable:
-    """Everything recorded, ``{path: {"out": stats}}``: a module called
-    once keeps its counts, normalised when its entry is read."""
-    tables = [self.stacked]
-    for path, calls in self.calls.items():
-      if len(calls) == 1:
-        tables.append(table_lib.StatsTable.counted(path, "out", *calls[0]))
-      else:  # merged call by call, as the statistics are
-        tables.append(table_lib.StatsTable({path: {"out": functools.reduce(
-            stats_lib.merge_stats,
-            [stats_lib.normalise(*call) for call in calls])}}))
-    return table_lib.StatsTable.union(tables)
-
-  def record(self, path: str, module: Any, out: Any) -> None:
-    if scan_lib.StackWatch.path(module) is not None:
-      return scan_lib.StackWatch.record(module, out)  # a block of a stack
-    if self.select is None or not self.select(path, module):
-      return
-    counts = stats_lib.tree_counts(out)
-    if counts is not None:
-      self.calls.setdefault(path, []).append(counts)
+def _selector(select: Select) -> _paths.Selector:
+  return _paths.Selector(select if select is not None else [])
 
 
-def _nnx_hook(paths: dict[int, tuple[str, Any]], seen: Seen, stacked: bool):
-  """A profile-style function: named scopes around the modules' method calls
-  (the copies of a stack's modules inside a transform too, if `stacked`)."""
-  open_scopes: dict[int, tuple[Any, str, Any]] = {}
+def output_stats(fn: Callable[..., Any], model: Optional[nnx.Module],
+                 *args: Any, select: Select = "**",
+                 methods: Sequence[str] = ("__call__",)) -> tuple[Any, Stats]:
+  """``fn(model, *args)`` and the statistics of its modules' outputs.
 
-  def hook(frame, event, arg):
-    if event == "call":
-      code = frame.f_code
-      name = code.co_name
-      if (code.co_argcount and code.co_varnames[0] == "self"
-          and (name == "__call__" or not name.startswith("_"))):
-        obj = frame.f_locals.get("self")
-        entry = paths.get(id(obj))
-        if entry is None and stacked and scan_lib.StackWatch.path(obj):
-          entry = (scan_lib.StackWatch.path(obj), obj)
-        if entry is not None:
-          scope = jax.named_scope(localise.encode_path(entry[0]))
-          scope.__enter__()
-          open_scopes[id(frame)] = (scope, *entry)
-    elif event == "return":
-      entry = open_scopes.pop(id(frame), None)
-      if entry is not None:
-        scope, path, module = entry
-        scope.__exit__(None, None, None)
-        if arg is not None:
-          seen.record(path, module, arg)
-
-  return hook
-
-
-@contextlib.contextmanager
-def watch(model: Optional[nnx.Module] = None, select: Select = None
-          ) -> Iterator[Seen]:
-  """Module-path scopes (and output statistics) for the model's calls.
-
-  Use it around the code that calls the model, inside the traced function
-  (a jitted step, or a function given to `jax.make_jaxpr`); the statistics
-  are arrays of that trace: return them from it.
-
-  Args:
-    model: the NNX model the calls go to (its modules, as they are when
-      `watch` is entered; in a train step, the module the loss function
-      gets), or None for linen (every linen module called inside; a
-      top-level ``apply`` starts the record afresh, so it holds the last
-      one).
-    select: the modules whose outputs are recorded (see the module
-      docstring); None records nothing and only names the scopes.
-
-  Yields:
-    A `Seen` whose ``outputs`` fill up as the modules are called.
+  Call it inside the traced function (a jitted step, `nnx.jit`, or eagerly);
+  the statistics are arrays of that computation.
 
   Example:
     >>> import jmp_amp.flax.numerics as numerics
     >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with numerics.watch(model, "**") as seen:  # "" is the root's path
-    ...   _ = model(jnp.ones((1, 2)))
-    >>> sorted(seen.outputs[""])
+    >>> y, stats = numerics.output_stats(lambda m, x: m(x), model,
+    ...                                  jnp.ones((1, 2)))
+    >>> sorted(stats[""]["out"])  # "" is the root's path
     ['max_abs', 'nonfinite', 'underflow', 'zeros']
+
+  Args:
+    fn: ``fn(model, *args)``, the code that calls the model.
+    model: the NNX model, or None for linen (every linen module called
+      inside `fn`; a top-level ``apply`` starts the record afresh, so it
+      holds the last one).
+    *args: the other arguments of `fn`.
+    select: the modules whose outputs are reported (see the module
+      docstring).
+    methods: the NNX methods whose outputs count (a module called through
+      several of them reports them together); default ``__call__`` alone.
+
+  Returns:
+    ``(fn(model, *args), {path: {"out": stats}})``; a module called more
+    than once reports its calls together.
   """
-  seen = Seen(_selector(select))
+  selector = _selector(select)
   if model is None:
-    depth = [0]
-    called: dict[str, Any] = {}
-
-    def interceptor(next_fun, args, kwargs, context):
-      module = context.module
-      if module.scope is None or context.method_name == "setup":
-        return next_fun(*args, **kwargs)
-      path = "/".join(module.path)
-      called[path] = module
-      if not path and not depth[0]:
-        # A new top-level apply: `apply_with_policies` first runs the model
-        # abstractly (`jax.eval_shape`), whose values must not be kept.
-        seen.calls.clear()
-      depth[0] += 1
-      try:
-        with jax.named_scope(localise.encode_path(path)):
-          out = next_fun(*args, **kwargs)
-      finally:
-        depth[0] -= 1
-      seen.record(path, module, out)
-      return out
-
-    with nn.intercept_methods(interceptor):
-      yield seen
-    if seen.select is not None:
-      seen.select.warn_unmatched(called, "the linen modules called")
-    return
+    return _linen_outputs(fn, args, selector)
   if not isinstance(model, nnx.Module):
-    raise TypeError("watch takes an nnx.Module (or None for linen), got "
-                    f"{type(model).__name__}")
-  paths = {id(m): ("/".join(str(p) for p in path), m)
-           for path, m in nnx.iter_modules(model)}
-  stacks = scan_lib.StackWatch(model, seen.select)
-  if seen.select is not None:
-    seen.select.warn_unmatched(stacks.candidates, type(model).__name__)
-  restore = calls_lib.follow(
-      _nnx_hook(paths, seen, bool(stacks.marked)),
-      calls_lib.method_codes({type(m) for _, m in paths.values()}))
-  try:
-    yield seen
-  finally:
-    restore()
-    seen.stacked = stacks.close()
+    raise TypeError("output_stats takes an nnx.Module (or None for linen), "
+                    f"got {type(model).__name__}")
+  result, captured = _capture.capture(fn, model, args, methods)
+  selector.warn_unmatched(_capture.candidates(captured),
+                          type(model).__name__)
+  return result, _capture.out_entries(captured, selector)
+
+
+def _linen_outputs(fn: Callable[..., Any], args: Sequence[Any],
+                   selector: _paths.Selector) -> tuple[Any, Stats]:
+  depth = [0]
+  called: dict[str, Any] = {}
+  counts: dict[str, dict[str, Any]] = {}
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if module.scope is None or context.method_name == "setup":
+      return next_fun(*args, **kwargs)
+    path = "/".join(module.path)
+    called[path] = module
+    if not path and not depth[0]:
+      # A new top-level apply: `apply_with_policies` first runs the model
+      # abstractly (`jax.eval_shape`), whose values must not be kept.
+      counts.clear()
+    depth[0] += 1
+    try:
+      with jax.named_scope(localise.encode_path(path)):
+        out = next_fun(*args, **kwargs)
+    finally:
+      depth[0] -= 1
+    new = stats_lib.tree_counts(out) if selector(path, module) else None
+    if new is not None:
+      counts[path] = (new if path not in counts
+                      else stats_lib.add_counts(counts[path], new))
+    return out
+
+  with nn.intercept_methods(interceptor):
+    result = fn(None, *args)
+  selector.warn_unmatched(called, "the linen modules called")
+  return result, {p: {"out": stats_lib.finish(c)}
+                  for p, c in sorted(counts.items())}
 
 
 def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
@@ -230,7 +165,9 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
   The underflow fraction is measured against the module's compute dtype
   (from `set_policies`; float32 without a policy): where these gradients
   lived before the cast to the param dtype. Gradients taken of a scaled
-  loss are the scaled ones.
+  loss are the scaled ones. A module of a scanned stack reports its
+  gradients over every block, under its own path (``make_train_step``,
+  which saw the stack run, reports them per block).
 
   Example:
     >>> import jmp_amp.flax.numerics as numerics
@@ -248,86 +185,12 @@ def grad_stats(model: Optional[nnx.Module], grads: Any, select: Select
   Returns:
     ``{module path: stats}``.
   """
-  return {path: e["grad"] for path, e in grad_table(model, grads,
-                                                    select).items()}
-
-
-def grad_table(model: Optional[nnx.Module], grads: Any, select: Select
-               ) -> table_lib.StatsTable:
-  """`grad_stats` as ``{path: {"grad": stats}}``, a stack's blocks stacked."""
-  selector = _Selector(select if select is not None else [])
-  if model is not None:
-    pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)]
-    modules = {scan_lib.path_str(p): m for p, m in pairs}
-    policies = nnx_lib.get_policies(model)
-    flat = [(tuple(p), v) for p, v in nnx.to_flat_state(grads)]
-  else:
-    pairs, modules, policies = [], {}, {}
-    flat = list(jax.tree_util.tree_flatten_with_path(grads)[0])
-    flat = [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), v)
-            for p, v in flat]
-  stacks = scan_lib.Stacks.find(pairs)  # a stacked module: stats per block
-  grouped: dict[str, list] = {}
-  candidates: dict[str, Any] = stacks.candidates(pairs)
-  for path, value in flat:
-    value = value.get_value() if isinstance(value, nnx.Variable) else value
-    owner = _owner("/".join(str(p) for p in path[:-1]), modules)
-    candidates.setdefault(owner, modules.get(owner))
-    if stacks.select(selector, owner, modules.get(owner)):
-      grouped.setdefault(owner, []).append(value)
-  selector.warn_unmatched(
-      candidates, "the model" if model is None else type(model).__name__)
-  return table_lib.StatsTable.union(
-      stacks.stats(selector, owner, modules.get(owner), values,
-                   getattr(policies.get(owner), "compute_dtype", None), "grad")
-      for owner, values in grouped.items())
-
-
-def fp8_stats(model: nnx.Module, select: Select) -> table_lib.StatsTable:
-  """The selected FP8 modules' entries of kind ``"fp8"``.
-
-  ``{"amax_lhs", "amax_rhs", "amax_grad"}``: the newest amax of the
-  operands and of the output gradient (from the module's amax histories),
-  and ``{"scale_lhs", "scale_rhs", "scale_grad"}``: the scale their whole
-  history gives (what delayed scaling uses next; current scaling uses the
-  tensor's own amax).
-  """
-  selector = _Selector(select)
-  pairs = [(tuple(p), m) for p, m in nnx.iter_modules(model)]
-  modules = {scan_lib.path_str(p): m for p, m in pairs}
-  stacks = scan_lib.Stacks.find(pairs)  # a stacked module: one per block
-  policies = nnx_lib.get_policies(model)
-  tables = []
-  for path, state in fp8_layers.histories(model).items():
-    recipe = getattr(policies.get(path), "recipe", None)
-    picked = stacks.select(selector, path, modules.get(path))
-    if recipe is None or not picked:
-      continue
-    fp8 = {}  # In a stack, of every block: the histories' leading axes.
-    for name, dtype in (("lhs", recipe.fwd_dtype),
-                        ("rhs", recipe.fwd_dtype),
-                        ("grad", recipe.bwd_dtype)):
-      history = getattr(state, name)  # the newest amax first
-      fp8[f"amax_{name}"] = history[..., 0]
-      fp8[f"scale_{name}"] = fp8_core.compute_scale(
-          jnp.max(history, axis=-1), dtype, recipe.margin)
-    tables.append(table_lib.StatsTable({path: {"fp8": fp8}})
-                  if picked[0][1] is None else table_lib.StatsTable.stacked(
-                      "fp8", path, jnp.stack(list(fp8.values()), -1),
-                      list(fp8), picked))
-  return table_lib.StatsTable.union(tables)
-
-
-def _owner(path: str, modules: dict[str, Any]) -> str:
-  """The longest prefix of `path` that is a module (NNX); else `path`."""
-  if not modules:
-    return path
-  parts = path.split("/") if path else []
-  for n in range(len(parts), -1, -1):
-    candidate = "/".join(parts[:n])
-    if candidate in modules:
-      return candidate
-  return ""
+  selector = _selector(select)
+  modules = ({} if model is None else
+             {tuple(p): m for p, m in nnx.iter_modules(model)})
+  captured = _capture.Captured({}, {}, modules)
+  return {k: e["grad"] for k, e in _capture.grad_entries(
+      model, grads, selector, captured).items()}
 
 
 # --------------------------------------------------------------------------
@@ -351,10 +214,126 @@ def _nnx_loss(model: nnx.Module, loss_fn: Callable, batch: Any,
 
   def f(params):
     m = nnx.merge(graphdef, params, rest, copy=True)
-    with watch(m):
-      return _scaled(loss_fn(m, batch), loss_scale)
+    return _scaled(loss_fn(m, batch), loss_scale)
 
   return f, params
+
+
+def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
+           loss_scale: Any, report: localise.NonFinite, f: Callable
+           ) -> Optional[tuple[str, str, str]]:
+  """``(module, rule key, own path)`` of the module where `report`'s op ran,
+  from one jitted run under `nnx.capture`: of the modules whose code (or op
+  knob) holds the op's source line (any module, if none does), the first to
+  return a non-finite output (forward), or the last whose own params'
+  gradients (else its submodules') are non-finite (backward). In a stack,
+  ``module`` names the block and the rule key every block
+  (``blocks/*/attn``)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  seen = {}
+
+  def f(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    loss, seen["captured"] = _capture.capture(
+        lambda m, b: _scaled(loss_fn(m, b), loss_scale), m, (batch,))
+    return loss, seen["captured"].counts
+
+  (_, counts), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  captured = dataclasses.replace(seen["captured"],
+                                 counts=jax.device_get(counts))
+  bad_grads = {key for key, e in _capture.grad_entries(
+      model, grads, _selector("**"), captured, warn=False).items()
+               if int(e["grad"]["nonfinite"])}
+  starts = {}  # a stack's place in the call order: its first call's
+  for (path, _), c in captured.counts.items():
+    found = captured.stack(path)
+    if found is not None:
+      starts[found[0]] = min(starts.get(found[0], _capture.UNSET),
+                             int(np.min(c["order"])))
+  sites = _sites(f, params, {tuple(p): m for p, m in nnx.iter_modules(model)},
+                 report.source)
+  # Control flow (scan, cond, while) is one equation, at the line that runs
+  # it: the op is in a module below.
+  inside = report.primitive in _CONTROL_FLOW
+  pool = []
+  for (path, _), c in captured.counts.items():
+    if sites and not any(path[:len(s)] == s if inside else path == s
+                         for s in sites):
+      continue
+    found = captured.stack(path)
+    for idx, block in captured.blocks(path):
+      one = _capture.block_counts(c, idx)
+      key = _paths.path_str(block)
+      if report.direction == "forward":
+        bad = 2 * (int(one["nonfinite"]) > 0)
+      else:  # its own params' gradients (2), else those of its submodules
+        bad = 2 if key in bad_grads else int(any(
+            g.startswith(key + "/") or not key for g in bad_grads))
+      if bad and int(one["order"]) != _capture.UNSET:
+        start = starts[found[0]] if found else int(one["order"])
+        pool.append((bad, (start, idx or (), int(one["order"])), path,
+                     block))
+  if not pool:
+    return None
+  best = max(p[0] for p in pool)
+  pool = [p[1:] for p in pool if p[0] == best]
+  pick = min(pool) if report.direction == "forward" else max(pool)
+  _, path, block = pick
+  found = captured.stack(path)
+  rule = block if found is None else (
+      found[0] + ("*",) * len(found[1]) + path[len(found[0]):])
+  return (_paths.path_str(block), _paths.path_str(rule),
+          _paths.path_str(path))
+
+
+_CONTROL_FLOW = ("scan", "while", "cond")
+
+
+def _sites(f: Callable, params: Any, modules: dict[tuple, Any],
+           source: str) -> set[tuple]:
+  """The paths of the modules whose code holds the op at `source`
+  (``file:line[:column] (function)``): of the op's call stack, innermost
+  first, the first frame in a module's code (its class's methods, or a
+  function it holds, such as an op knob ``dot_general``)."""
+  codes = [(path, fn) for path, m in modules.items() for fn in _functions(m)]
+  for frames in _tracebacks(jax.make_jaxpr(f)(params).jaxpr, source):
+    for frame in frames:
+      found = {path for path, fn in codes
+               if _holds_line(fn, frame.file_name, frame.line_num)}
+      if found:
+        return found
+  return set()
+
+
+def _tracebacks(jaxpr: Any, source: str):
+  """The call stacks of the equations of `jaxpr` (sub-jaxprs too) whose
+  source is `source`."""
+  for eqn in jaxpr.eqns:
+    if source_info_util.summarize(eqn.source_info) == source:
+      yield eqn.source_info.traceback.frames
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _tracebacks(sub, source)
+
+
+def _functions(module: Any) -> list[Any]:
+  bases = set(nnx.Module.__mro__)
+  own = [v for k in type(module).__mro__ if k not in bases
+         for v in vars(k).values()]
+  return own + [v for v in vars(module).values() if callable(v)]
+
+
+def _holds_line(fn: Any, file: str, line: int) -> bool:
+  while fn is not None:
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_filename == file:
+      lines = [n for _, _, n in code.co_lines() if n is not None]
+      if lines and min(lines + [code.co_firstlineno]) <= line <= max(lines):
+        return True
+    fn = getattr(fn, "__wrapped__", getattr(fn, "func", None))
+  return False
 
 
 def _as_mapping(rules: Any) -> Mapping:
@@ -380,8 +359,8 @@ def _linen_loss(module: nn.Module, variables: Any, loss_fn: Callable,
                                              **kwargs)[0]
       return linen_lib.apply_with_policies(module, rules, v, *args, **kwargs)
 
-    with watch(None):
-      return _scaled(loss_fn(net, batch), loss_scale)
+    return _linen_outputs(lambda _, b: _scaled(loss_fn(net, b), loss_scale),
+                          (batch,), _selector([]))[0]
 
   return f, params
 
@@ -390,15 +369,14 @@ def _nonfinite_input(model: Any, variables: Any, batch: Any
                      ) -> Optional[localise.NonFinite]:
   """The first inf/NaN already in the model's variables, else in the batch."""
   if isinstance(model, nnx.Module):
-    modules = {"/".join(str(p) for p in path)
-               for path, _ in nnx.iter_modules(model)}
+    owners = _paths.owning_paths(model)
     flat = {}
     for path, value in nnx.to_flat_state(nnx.state(model)):
       kind = "params " if isinstance(value, nnx.Param) else "state "
       value = value.get_value() if isinstance(value, nnx.Variable) else value
       flat[(kind, tuple(str(p) for p in path))] = value
-    owner = lambda key: _owner("/".join(key[0].key[1][:-1]),
-                               dict.fromkeys(modules))
+    owner = lambda key: _paths.path_str(_paths.owner(
+        tuple(_to_key(k) for k in key[0].key[1]), owners))
     report = localise.input_report(
         flat, "", module_of_path=owner,
         keys=lambda key: key[0].key[0] + "/".join(key[0].key[1]))
@@ -413,14 +391,18 @@ def _nonfinite_input(model: Any, variables: Any, batch: Any
   return report or localise.input_report(batch, "batch")
 
 
+def _to_key(part: str) -> Any:
+  return int(part) if part.isdigit() else part
+
+
 def _all_finite(tree: Any) -> bool:
   return all(bool(np.isfinite(np.asarray(x)).all())
              for x in jax.tree_util.tree_leaves(tree)
              if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
 
-def _fixed_rules(model: nnx.Module, rules: Any, path: str) -> Any:
-  fix = {path: "float32"}
+def _fixed_rules(model: nnx.Module, rules: Any, key: str, path: str) -> Any:
+  fix = {key: "float32"}
   if rules is not None:
     if not isinstance(rules, Mapping):
       rules = {rules_lib.DEFAULT_KEY: rules}
@@ -466,9 +448,17 @@ def localise_model(model: Union[nnx.Module, nn.Module],
                     f"got {type(model).__name__}")
   report = localise.find_nonfinite(f, params, backward=backward,
                                   inputs=inputs)
-  if report is None or report.module is None or report.direction == "input":
+  if report is None or report.direction == "input":
     return report
-  rule = {report.module: "float32"}
+  own = None
+  if isinstance(model, nnx.Module):
+    blamed = _blame(model, loss_fn, batch, loss_scale, report, f)
+    if blamed is not None:
+      module, key, own = blamed
+      report = dataclasses.replace(report, module=module)
+  if report.module is None:
+    return report
+  rule = {key if own is not None else report.module: "float32"}
   fixed = None
   if verify:
     if isinstance(model, nn.Module):
@@ -478,7 +468,8 @@ def localise_model(model: Union[nnx.Module, nn.Module],
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         nnx_lib.set_policies(clone,
-                             _fixed_rules(model, rules, report.module))
+                             _fixed_rules(model, rules, *rule,
+                                          own or report.module))
       g, p = _nnx_loss(clone, loss_fn, batch, loss_scale)
     value, grads = jax.jit(jax.value_and_grad(g))(p)
     fixed = _all_finite((value, grads)) if backward else _all_finite(value)

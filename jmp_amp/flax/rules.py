@@ -91,7 +91,7 @@ import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_core
 from jmp_amp.flax import _fp8_policy as fp8_policy_lib
-from jmp_amp.flax._select import compile_pattern
+from jmp_amp.flax._paths import compile_pattern
 
 DEFAULT_KEY = "*"
 ROOT_KEY = ""

@@ -53,6 +53,7 @@ adjustment), ``grads_finite``, ``skipped_steps``, ``steps`` and, with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -65,6 +66,7 @@ import jmp_amp
 from jmp_amp._src import fp8_compile
 from jmp_amp._src.scaling_state import scaled_loss_fn
 from jmp_amp._src.tree import where_tree
+from jmp_amp.flax import _capture
 from jmp_amp.flax import _fp8
 from jmp_amp.flax import _fp8_op
 from jmp_amp.flax import _step_checks
@@ -163,7 +165,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     numerics: None, or the modules (path globs such as ``"blocks/*/attn"``,
       ``"**"`` for all, module classes, or a list of them) whose output and
       param-gradient statistics the step computes on device and returns as
-      ``metrics["numerics"]``, a read-only mapping (a pytree)
+      ``metrics["numerics"]``, a nested dict of arrays
       ``{path: {"out": stats, "grad": stats}}`` (see
       `jmp_amp.flax.numerics`; print with `jmp_amp.numerics.format_stats`).
       None compiles exactly the step without it.
@@ -204,15 +206,18 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     graphdef, _, rest = nnx.split(model, diff, ...)
     opt_state = _step_checks.optax_state(optimizer)
 
+    seen = {}  # what the capture saw (at trace time)
+
     def forward(params, rest, batch):
       # copy: fresh Variables of this trace, which the forward pass may update.
       m = nnx.merge(graphdef, params, rest, copy=True)
       if numerics is None:
         loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
         return loss, aux, nnx.split(m, diff, ...)[2]
-      with numerics_lib.watch(m, numerics) as seen:
-        loss, aux = _step_parts.split_loss(loss_fn(m, batch), has_aux)
-      return loss, (aux, seen.table()), nnx.split(m, diff, ...)[2]
+      (loss, aux), seen["captured"] = _capture.capture(
+          lambda m, b: _step_parts.split_loss(loss_fn(m, b), has_aux), m,
+          (batch,))
+      return loss, (aux, seen["captured"].counts), nnx.split(m, diff, ...)[2]
 
     fn = hook(forward) if hook is not None else forward
 
@@ -227,14 +232,15 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
         scaled_loss_fn(loss_of, opt_state, has_aux=True), has_aux=True,
         wrt=wrt)(model)
     if numerics is not None:
-      aux, outputs = aux
-      grad_stats = _step_parts.grad_stats(model, grads, numerics)
+      aux, counts = aux
+      stats = _capture.step_stats(
+          model, grads, numerics,
+          dataclasses.replace(seen["captured"], counts=counts))
     optimizer.update(model, grads)
     metrics = _step_parts.step_metrics(_step_checks.optax_state(optimizer),
                                        loss, aux, has_aux)
     if numerics is not None:
-      metrics["numerics"] = (outputs | grad_stats
-                             | numerics_lib.fp8_stats(model, numerics))
+      metrics["numerics"] = stats
 
     new_rest = _step_parts.like(new_rest, rest)
     reverted_new, kept = nnx.split_state(new_rest, revert_on_skip, ...)
@@ -381,9 +387,10 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
       if numerics is None:
         loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
         return loss, aux, box
-      with numerics_lib.watch(None, numerics) as seen:
-        loss, aux = _step_parts.split_loss(loss_fn(model, batch), has_aux)
-      return loss, (aux, seen.table()), box
+      (loss, aux), outputs = numerics_lib.output_stats(
+          lambda _, b: _step_parts.split_loss(loss_fn(model, b), has_aux),
+          None, batch, select=numerics)
+      return loss, (aux, outputs), box
 
     fn = hook(forward) if hook is not None else forward
 
@@ -396,11 +403,12 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
         loss_of, has_aux=True)(state.opt_state, state.params)
     if numerics is not None:
       aux, outputs = aux
-      grad_stats = _step_parts.grad_stats(None, grads, numerics)
+      stats = _capture.merge(outputs, _capture.step_stats(
+          None, grads, numerics, None))
     state = state.apply_gradients(grads=grads)
     metrics = _step_parts.step_metrics(state.opt_state, loss, aux, has_aux)
     if numerics is not None:
-      metrics["numerics"] = outputs | grad_stats
+      metrics["numerics"] = stats
     new_cols = _step_parts.like(dict(new_cols), cols)
     if revert_on_skip:
       new_cols = where_tree(metrics["grads_finite"], new_cols, cols)

@@ -1,10 +1,13 @@
-"""The path globs of `jmp_amp.flax`, and which modules a selection picks.
+"""Module paths in `jmp_amp.flax`: strings, globs, selections and owners.
 
-`compile_pattern` compiles the one glob dialect (``"blocks/*/attn"``,
-``"**"``; see `jmp_amp.flax.rules`) that policy rules and telemetry share.
-`Selector` is a telemetry `select` argument (`jmp_amp.flax.numerics`): path
-globs, module classes, or a list of them; a key that picks no module of the
-model warns.
+A module's path is its `nnx.iter_modules` path joined with '/' (`path_str`;
+the root's is ""). `compile_pattern` compiles the one glob dialect
+(``"blocks/*/attn"``, ``"**"``; see `jmp_amp.flax.rules`) that policy rules
+and telemetry share; `Selector` is a telemetry `select` argument (path
+globs, module classes, or a list of them), and a key that picks no module
+of the model warns. A Variable belongs to the nearest module on its path
+that is not a container (`CONTAINERS`: `nnx.List`, `nnx.Dict`), its *owner*:
+what a container holds belongs to its owner, whose policy decides its dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +21,37 @@ from flax import nnx
 
 Select = Union[None, str, type, Sequence[Union[str, type]]]
 DEFAULT_KEY = "*"  # as in rules: every module
+
+# Modules that only hold others: what they hold belongs to their owner.
+CONTAINERS = (nnx.List, nnx.Dict)
+
+
+def path_str(path: tuple) -> str:
+  """The '/'-joined path of an `nnx.iter_modules` path tuple."""
+  return "/".join(str(p) for p in path)
+
+
+def owner(path: tuple, owners: set[tuple]) -> tuple:
+  """The longest proper prefix of a variable's path that is in `owners`
+  (`owning_paths`): the module it belongs to."""
+  for n in range(len(path) - 1, -1, -1):
+    if path[:n] in owners:
+      return path[:n]
+  return ()
+
+
+def owning_paths(module: nnx.Module) -> set[tuple]:
+  """The paths of `module`'s modules that own Variables: not containers
+  (the root always)."""
+  return {tuple(p) for p, m in nnx.iter_modules(module)
+          if not isinstance(m, CONTAINERS) or not p}
+
+
+def own_params(module: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
+  """(relative path, Param) of the Params `module` holds itself."""
+  owners = owning_paths(module)
+  return [(path, var) for path, var in nnx.to_flat_state(
+      nnx.state(module, nnx.Param)) if owner(path, owners) == ()]
 
 
 def compile_pattern(pattern: str) -> re.Pattern:
