@@ -19,6 +19,15 @@ Two workloads, as users run them, compiled with XLA's default options:
   modes (but all-FP8 and autocast), with model FLOP/s as a share of the
   device's dense bf16 peak (`gpt_bench`); torch's GPT with SDPA under bf16
   autocast, eager and under ``torch.compile``, where torch is installed.
+* ``llama``: `jmp_amp.models.Llama`'s 1b preset (1.12B parameters, T 2048,
+  batch 8, adamw; blocks scanned and rematerialised, `llama_bench`) in
+  `LLAMA_MODES`, each mode in a process of its own (one mode's weights and
+  optimizer state are 18 GB), so its compile seconds are a cold process's
+  first call and its device peak its own; per mode also the largest batch
+  (powers of two) whose compiled step fits the device's memory. Torch rows:
+  the same Llama under ``torch.compile`` with bf16 autocast and with
+  torchao's float8 (tensorwise, rowwise), where torch (and torchao) are
+  installed.
 
 Each workload runs in a process of its own (a hung compile loses that
 workload only): every mode is compiled (the seconds it took are recorded),
@@ -46,11 +55,13 @@ SIZES = {
     "mlp": dict(width=8192, layers=3, batch_size=4096),
     "gpt": dict(vocab_size=32768, d_model=2048, num_heads=16, num_layers=4,
                 max_len=1024, batch_size=8),
+    "llama": dict(size="gpu", preset="1b", batch_size=8, max_batch=64),
 }
 SMALL = {
     "mlp": dict(width=64, layers=3, batch_size=16),
     "gpt": dict(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
                 max_len=64, batch_size=2),  # gpt_bench's "cpu" size
+    "llama": dict(size="cpu", preset="small", batch_size=2, max_batch=8),
 }
 # Named as the bench's modes (`jmp-amp bench --policy`): the policy, then
 # what is added to it.
@@ -70,13 +81,17 @@ MODES = {
 # not compiled after 75 s on an H200): each runs in a process of its own,
 # after the others, so a hang loses that mode alone.
 SLOW_COMPILE = {("gpt", "float8-rowwise")}
+# Issue #53's modes of the llama workload, each in a process of its own.
+LLAMA_MODES = ("float32", "mixed_bfloat16", "float8", "float8-rowwise",
+               "mixed_bfloat16-state16", "mixed_bfloat16-telemetry")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # gpt_bench.py: the GPT's FLOPs, peaks, torch rows
 
 
 def modes_for(model, names=None):
   return [n for n in (names or MODES)
-          if model in MODES[n].get("models", (model,))]
+          if model in MODES[n].get("models", (model,))
+          and (model != "llama" or n in LLAMA_MODES)]
 
 
 # --------------------------------------------------------------------------
@@ -127,6 +142,15 @@ def build(model_name, mode, sizes, seed=0):
     loss = mlp_lib.mse_loss
     base = optax.sgd(0.01)
     flops = 6.0 * b * w * w * sizes["layers"]
+  elif model_name == "llama":
+    import llama_bench
+    model = llama_bench.model(sizes["size"], seed=seed)
+    batches = [(t, t) for t in (llama_bench.tokens(
+        sizes["size"], sizes["batch_size"], seed=seed + i) for i in range(2))]
+    loss = gpt_lib.lm_loss
+    base = optax.adamw(1e-4)
+    flops = float(llama_bench.model_flops_per_step(sizes["size"],
+                                                   sizes["batch_size"]))
   else:
     cfg = {k: v for k, v in sizes.items() if k != "batch_size"}
     model = gpt_lib.GPT(**cfg, rngs=rngs)
@@ -194,8 +218,42 @@ def _dump(dump_dir, model_name, name, compiled):
     f.write(compiled.as_text())
 
 
+def _llama_memory(name, step, state, batch, sizes, memory_limit, options):
+  """A llama mode's device peak (its process runs it alone) and the largest
+  batch, powers of two from the timed one up to ``max_batch``, whose step
+  compiles within `memory_limit` bytes (the device's limit; on a CPU,
+  which has none, the ``--memory-limit`` given)."""
+  import jax
+  import llama_bench
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = memory_limit or stats.get("bytes_limit")
+
+  def fits(batch_size):
+    shape = jax.ShapeDtypeStruct((batch_size,) + batch[0].shape[1:],
+                                 batch[0].dtype)
+    try:
+      compiled = step.lower(state, (shape, shape)).compile(
+          compiler_options=options or None)
+    except Exception as e:  # pylint: disable=broad-except
+      if "RESOURCE_EXHAUSTED" in str(e) or "memory" in str(e).lower():
+        return False
+      raise
+    used = _memory(compiled)
+    sizes_seen[batch_size] = used
+    return used is not None and used <= limit
+
+  sizes_seen = {}
+  largest = None if limit is None else llama_bench.largest_batch(
+      fits, sizes["batch_size"], sizes["max_batch"])
+  return dict(workload="llama", mode=name, event="memory_fit",
+              peak_bytes=stats.get("peak_bytes_in_use"),
+              memory_limit_bytes=limit, largest_batch=largest,
+              largest_batch_cap=sizes["max_batch"],
+              memory_bytes_by_batch=sizes_seen)
+
+
 def run_workload(model_name, names, sizes, steps, repeats, out_path,
-                 dump_dir=None, options=None):
+                 dump_dir=None, options=None, memory_limit=None):
   """Compiles and times every mode of one workload; appends JSON lines.
 
   Each mode is timed once as soon as it is compiled (so a later compile that
@@ -227,7 +285,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
 
   warm_up()
   peak = None
-  if model_name == "gpt":
+  if model_name in ("gpt", "llama"):
     import gpt_bench
     peak = gpt_bench.peak_bf16_flops(jax.devices()[0].device_kind)
   prepared = {}
@@ -261,6 +319,10 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
       jax.block_until_ready(loss)
       run(p)
       emit_timed(name, p, peak)
+      if model_name == "llama":
+        emit(_llama_memory(name, step, state=p["state"], batch=batches[0],
+                           sizes=sizes, memory_limit=memory_limit,
+                           options=options))
     except Exception as e:  # pylint: disable=broad-except
       prepared.pop(name, None)
       emit(dict(workload=model_name, mode=name, event="failed",
@@ -282,6 +344,9 @@ def run_torch(workloads, sizes, steps, repeats, small, out_path):
     rows += _torch_mlp_rows(sizes["mlp"], steps, repeats)
   if "gpt" in workloads and not small:
     rows += _torch_gpt_rows(small, steps)
+  if "llama" in workloads and not small:  # inductor: minutes on a CPU
+    import llama_bench
+    rows += llama_bench.torch_rows("gpu", steps=steps)[0]
   with open(out_path, "a") as f:
     for r in rows:
       f.write(json.dumps(dict(r, event="torch"), default=str) + "\n")
@@ -365,10 +430,40 @@ def summary(rows):
            if (r["workload"], r["mode"]) == ("gpt", base)), None),
       "gpt mixed_bfloat16 speed vs torch.compile": _ratio(
           rows, "gpt", base, "torch-compile-sdpa"),
+      **llama_summary(rows),
       "fp8 modes whose device GEMMs are not all FP8": sorted(
           f"{r['workload']}/{r['mode']}" for r in rows
           if r.get("fp8_problem")),
   }
+
+
+def llama_summary(rows):
+  """Issue #53's targets: bf16's share of the peak, float8's speed-up, each
+  mode against its torch peer (speed, peak memory), 16-bit state's batch."""
+  row = {r["mode"]: r for r in rows if r["workload"] == "llama"}
+  get = lambda mode, key: row.get(mode, {}).get(key)
+  out = {
+      "llama mixed_bfloat16 share of the dense bf16 peak": get(
+          "mixed_bfloat16", "bf16_peak_share"),
+      "llama float8 speed vs mixed_bfloat16": _ratio(
+          rows, "llama", "float8", "mixed_bfloat16"),
+      "llama largest batch": {m: r.get("largest_batch")
+                              for m, r in row.items()
+                              if "largest_batch" in r},
+  }
+  batch = out["llama largest batch"]
+  out["llama largest batch state16 vs mixed_bfloat16"] = (
+      batch["mixed_bfloat16-state16"] / batch["mixed_bfloat16"]
+      if batch.get("mixed_bfloat16-state16") and batch.get("mixed_bfloat16")
+      else None)
+  for mode, peer in (("mixed_bfloat16", "torch-compile-bf16"),
+                     ("float8", "torchao-float8-tensorwise"),
+                     ("float8-rowwise", "torchao-float8-rowwise")):
+    out[f"llama {mode} speed vs {peer}"] = _ratio(rows, "llama", mode, peer)
+    mine, theirs = get(mode, "peak_bytes"), get(peer, "peak_bytes")
+    out[f"llama {mode} peak memory vs {peer}"] = (
+        mine / theirs if mine and theirs else None)
+  return out
 
 
 def device_name():
@@ -387,7 +482,7 @@ def groups(workloads, names=None, isolate=False):
   for model_name in workloads:
     modes = modes_for(model_name, names)
     fast = [m for m in modes if (model_name, m) not in SLOW_COMPILE]
-    if isolate:
+    if isolate or model_name == "llama":
       out += [(model_name, [m]) for m in fast]
     elif fast:
       out.append((model_name, fast))
@@ -460,6 +555,9 @@ def main(argv=None):
                       help="seconds each worker process may take")
   parser.add_argument("--slow-timeout", type=float, default=120,
                       help="seconds a SLOW_COMPILE mode's process may take")
+  parser.add_argument("--llama-timeout", type=float, default=900,
+                      help="seconds each llama process may take (its mode's "
+                      "compile, timing and largest-batch compiles)")
   parser.add_argument("--budget", type=float, default=None,
                       help="seconds the whole check may take: a process "
                       "gets what is left, and none starts with under 30")
@@ -478,6 +576,10 @@ def main(argv=None):
                       "GEMMs off for FP8 modes, as make_train_step)")
   parser.add_argument("--out", help="the JSON file (default: "
                       "benchmarks/results/gpu_check_<device>.json)")
+  parser.add_argument("--memory-limit", type=int, default=None,
+                      help="bytes a llama step may take when searching its "
+                      "largest batch (default: the device's limit; a CPU "
+                      "has none, so the search is skipped there)")
   parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   sizes = SMALL if args.small else SIZES
@@ -490,7 +592,7 @@ def main(argv=None):
                 out_path)
     else:
       run_workload(model_name, names.split(","), sizes[model_name], steps,
-                   int(reps), out_path, args.dump, options)
+                   int(reps), out_path, args.dump, options, args.memory_limit)
     return 0
   lines_path = (args.out or "gpu_check") + ".partial.jsonl"
   if os.path.exists(lines_path):
@@ -521,6 +623,8 @@ def main(argv=None):
   for model_name, names in plan:
     timeout = (args.slow_timeout if len(names) == 1 and (
         model_name, names[0]) in SLOW_COMPILE else args.timeout)
+    if model_name == "llama":  # 1.1B: compiles and a batch search
+      timeout = max(timeout, args.llama_timeout)
     if args.budget is not None:
       timeout = min(timeout, args.budget - (time.perf_counter() - started))
     if timeout < 30:
@@ -531,7 +635,9 @@ def main(argv=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name,
            ",".join(names), lines_path, str(args.repeats),
            "--steps", str(steps)] + (["--small"] if args.small else []) + (
-               ["--dump", args.dump] if args.dump else []) + [
+               ["--dump", args.dump] if args.dump else []) + (
+               [f"--memory-limit={args.memory_limit}"]
+               if args.memory_limit else []) + [
                    f"--compiler-option={o}" for o in args.compiler_option]
     print(f"gpu_check: {model_name}: {', '.join(names)} "
           f"(at most {timeout:.0f} s)", flush=True)
