@@ -4,7 +4,7 @@
                                               # benchmarks/results/gpu_check_<device>.json
     python benchmarks/gpu_check.py --small    # tiny sizes (the tests run it on a CPU)
 
-Two workloads, as users run them, compiled with XLA's default options:
+Three workloads, as users run them, compiled with XLA's default options:
 
 * ``mlp``: the bench's MLP at its compute-bound sizes (width 8192, 3 layers,
   batch 4096, SGD) in the modes, named as the bench's: float32,
@@ -19,15 +19,15 @@ Two workloads, as users run them, compiled with XLA's default options:
   modes (but all-FP8 and autocast), with model FLOP/s as a share of the
   device's dense bf16 peak (`gpt_bench`); torch's GPT with SDPA under bf16
   autocast, eager and under ``torch.compile``, where torch is installed.
-* ``llama``: `jmp_amp.models.Llama`'s 1b preset (1.12B parameters, T 2048,
-  batch 8, adamw; blocks scanned and rematerialised, `llama_bench`) in
-  `LLAMA_MODES`, each mode in a process of its own (one mode's weights and
-  optimizer state are 18 GB), so its compile seconds are a cold process's
-  first call and its device peak its own; per mode also the largest batch
-  (powers of two) whose compiled step fits the device's memory. Torch rows:
-  the same Llama under ``torch.compile`` with bf16 autocast and with
-  torchao's float8 (tensorwise, rowwise), where torch (and torchao) are
-  installed.
+* ``llama`` (only with ``--workloads llama``): `jmp_amp.models.Llama`'s 1b
+  preset (1.12B parameters, T 2048, batch 8, adamw; blocks scanned and
+  rematerialised, `llama_bench`) in `LLAMA_MODES`, each mode in a process of
+  its own (one mode's weights and optimizer state are 18 GB), so its compile
+  seconds are a cold process's first call and its device peak its own; per
+  mode also the largest batch (powers of two) whose compiled step fits the
+  device's memory. Torch rows: the same Llama under ``torch.compile`` with
+  bf16 autocast and with torchao's float8 (tensorwise, rowwise), where torch
+  (and torchao) are installed.
 
 Each workload runs in a process of its own (a hung compile loses that
 workload only): every mode is compiled (the seconds it took are recorded),
@@ -218,40 +218,6 @@ def _dump(dump_dir, model_name, name, compiled):
     f.write(compiled.as_text())
 
 
-def _llama_memory(name, step, state, batch, sizes, memory_limit, options):
-  """A llama mode's device peak (its process runs it alone) and the largest
-  batch, powers of two from the timed one up to ``max_batch``, whose step
-  compiles within `memory_limit` bytes (the device's limit; on a CPU,
-  which has none, the ``--memory-limit`` given)."""
-  import jax
-  import llama_bench
-  stats = jax.devices()[0].memory_stats() or {}
-  limit = memory_limit or stats.get("bytes_limit")
-
-  def fits(batch_size):
-    shape = jax.ShapeDtypeStruct((batch_size,) + batch[0].shape[1:],
-                                 batch[0].dtype)
-    try:
-      compiled = step.lower(state, (shape, shape)).compile(
-          compiler_options=options or None)
-    except Exception as e:  # pylint: disable=broad-except
-      if "RESOURCE_EXHAUSTED" in str(e) or "memory" in str(e).lower():
-        return False
-      raise
-    used = _memory(compiled)
-    sizes_seen[batch_size] = used
-    return used is not None and used <= limit
-
-  sizes_seen = {}
-  largest = None if limit is None else llama_bench.largest_batch(
-      fits, sizes["batch_size"], sizes["max_batch"])
-  return dict(workload="llama", mode=name, event="memory_fit",
-              peak_bytes=stats.get("peak_bytes_in_use"),
-              memory_limit_bytes=limit, largest_batch=largest,
-              largest_batch_cap=sizes["max_batch"],
-              memory_bytes_by_batch=sizes_seen)
-
-
 def run_workload(model_name, names, sizes, steps, repeats, out_path,
                  dump_dir=None, options=None, memory_limit=None):
   """Compiles and times every mode of one workload; appends JSON lines.
@@ -320,9 +286,9 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
       run(p)
       emit_timed(name, p, peak)
       if model_name == "llama":
-        emit(_llama_memory(name, step, state=p["state"], batch=batches[0],
-                           sizes=sizes, memory_limit=memory_limit,
-                           options=options))
+        import llama_bench
+        emit(llama_bench.memory_fit(name, step, p["state"], batches[0],
+                                    sizes, memory_limit, options, _memory))
     except Exception as e:  # pylint: disable=broad-except
       prepared.pop(name, None)
       emit(dict(workload=model_name, mode=name, event="failed",
@@ -430,40 +396,16 @@ def summary(rows):
            if (r["workload"], r["mode"]) == ("gpt", base)), None),
       "gpt mixed_bfloat16 speed vs torch.compile": _ratio(
           rows, "gpt", base, "torch-compile-sdpa"),
-      **llama_summary(rows),
+      **_llama_summary(rows),
       "fp8 modes whose device GEMMs are not all FP8": sorted(
           f"{r['workload']}/{r['mode']}" for r in rows
           if r.get("fp8_problem")),
   }
 
 
-def llama_summary(rows):
-  """Issue #53's targets: bf16's share of the peak, float8's speed-up, each
-  mode against its torch peer (speed, peak memory), 16-bit state's batch."""
-  row = {r["mode"]: r for r in rows if r["workload"] == "llama"}
-  get = lambda mode, key: row.get(mode, {}).get(key)
-  out = {
-      "llama mixed_bfloat16 share of the dense bf16 peak": get(
-          "mixed_bfloat16", "bf16_peak_share"),
-      "llama float8 speed vs mixed_bfloat16": _ratio(
-          rows, "llama", "float8", "mixed_bfloat16"),
-      "llama largest batch": {m: r.get("largest_batch")
-                              for m, r in row.items()
-                              if "largest_batch" in r},
-  }
-  batch = out["llama largest batch"]
-  out["llama largest batch state16 vs mixed_bfloat16"] = (
-      batch["mixed_bfloat16-state16"] / batch["mixed_bfloat16"]
-      if batch.get("mixed_bfloat16-state16") and batch.get("mixed_bfloat16")
-      else None)
-  for mode, peer in (("mixed_bfloat16", "torch-compile-bf16"),
-                     ("float8", "torchao-float8-tensorwise"),
-                     ("float8-rowwise", "torchao-float8-rowwise")):
-    out[f"llama {mode} speed vs {peer}"] = _ratio(rows, "llama", mode, peer)
-    mine, theirs = get(mode, "peak_bytes"), get(peer, "peak_bytes")
-    out[f"llama {mode} peak memory vs {peer}"] = (
-        mine / theirs if mine and theirs else None)
-  return out
+def _llama_summary(rows):
+  import llama_bench
+  return llama_bench.summary(rows)
 
 
 def device_name():
@@ -547,7 +489,8 @@ def main(argv=None):
   parser.add_argument("--small", action="store_true",
                       help="tiny sizes, for a CPU (the tests)")
   parser.add_argument("--workloads", nargs="+", choices=list(SIZES),
-                      default=list(SIZES))
+                      # llama (1.1B, a process per mode) on request only.
+                      default=[w for w in SIZES if w != "llama"])
   parser.add_argument("--modes", nargs="+", choices=list(MODES))
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--repeats", type=int, default=5)

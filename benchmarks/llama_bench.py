@@ -8,7 +8,9 @@ The pieces benchmarks/gpu_check.py calls for its ``llama`` workload:
 * `model(size)`, `tokens(size, batch_size)`;
 * `model_flops_per_step(size, batch_size)`: PaLM's model FLOPs, ``6 N D``
   plus attention's ``12 L H Q T`` per token;
-* `largest_batch(fits, start, cap)`: the largest power of two that fits;
+* `largest_batch(fits, start, cap)`: the largest power of two that fits,
+  and `memory_fit`, a mode's device peak and largest batch;
+* `summary(rows)`: the ratios issue #53 sets targets for;
 * `torch_rows(size)`: the same Llama in PyTorch (``scaled_dot_product_attention``
   with grouped-query heads, fused AdamW) under ``torch.compile`` with bf16
   autocast, and with torchao's float8 training (tensorwise and rowwise
@@ -92,6 +94,77 @@ def largest_batch(fits: Callable[[int], bool], start: int, cap: int
   while batch <= cap and fits(batch):
     best, batch = batch, 2 * batch
   return best
+
+
+def memory_fit(name: str, step: Any, state: Any, batch: Any,
+               sizes: dict[str, Any], memory_limit: Optional[int],
+               options: Optional[dict[str, Any]],
+               memory_of: Callable[[Any], Optional[int]]) -> dict[str, Any]:
+  """A mode's device peak (its process runs it alone) and its largest batch.
+
+  The largest batch is the largest power of two from ``sizes["batch_size"]``
+  up to ``sizes["max_batch"]`` whose step (`step` lowered on `state` and a
+  batch of that size, compiled, not run) takes at most `memory_limit` bytes
+  by ``memory_of(compiled)``: the device's limit by default; a CPU has none,
+  and the search is skipped there unless a limit is given.
+
+  Returns:
+    The gpu_check record: ``peak_bytes``, ``largest_batch`` and the bytes
+    of each batch compiled.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = memory_limit or stats.get("bytes_limit")
+  used = {}
+
+  def fits(batch_size):
+    shape = jax.ShapeDtypeStruct((batch_size,) + batch[0].shape[1:],
+                                 batch[0].dtype)
+    try:
+      compiled = step.lower(state, (shape, shape)).compile(
+          compiler_options=options or None)
+    except Exception as e:  # pylint: disable=broad-except
+      if "RESOURCE_EXHAUSTED" in str(e):
+        return False
+      raise
+    used[batch_size] = memory_of(compiled)
+    return used[batch_size] is not None and used[batch_size] <= limit
+
+  largest = None if limit is None else largest_batch(
+      fits, sizes["batch_size"], sizes["max_batch"])
+  return dict(workload="llama", mode=name, event="memory_fit",
+              peak_bytes=stats.get("peak_bytes_in_use"),
+              memory_limit_bytes=limit, largest_batch=largest,
+              largest_batch_cap=sizes["max_batch"],
+              memory_bytes_by_batch=used)
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """Issue #53's targets from gpu_check's rows: bf16's share of the peak,
+  float8's speed-up, each mode against its torch peer (speed = 1 / ms per
+  step, and peak memory), 16-bit state's largest batch against bf16's."""
+  row = {r["mode"]: r for r in rows if r["workload"] == "llama"}
+  get = lambda mode, key: row.get(mode, {}).get(key)
+  ratio = lambda a, b: a / b if a and b else None
+  batch = {m: r.get("largest_batch") for m, r in row.items()
+           if "largest_batch" in r}
+  out = {
+      "llama mixed_bfloat16 share of the dense bf16 peak": get(
+          "mixed_bfloat16", "bf16_peak_share"),
+      "llama float8 speed vs mixed_bfloat16": ratio(
+          get("mixed_bfloat16", "ms_per_step"), get("float8", "ms_per_step")),
+      "llama largest batch": batch,
+      "llama largest batch state16 vs mixed_bfloat16": ratio(
+          batch.get("mixed_bfloat16-state16"), batch.get("mixed_bfloat16")),
+  }
+  for mode, peer in (("mixed_bfloat16", "torch-compile-bf16"),
+                     ("float8", "torchao-float8-tensorwise"),
+                     ("float8-rowwise", "torchao-float8-rowwise")):
+    out[f"llama {mode} speed vs {peer}"] = ratio(get(peer, "ms_per_step"),
+                                                 get(mode, "ms_per_step"))
+    out[f"llama {mode} peak memory vs {peer}"] = ratio(
+        get(mode, "peak_bytes"), get(peer, "peak_bytes"))
+  return out
 
 
 # ---- The same Llama in PyTorch. --------------------------------------------

@@ -97,8 +97,8 @@ class LlamaConfig:
 
     Args:
       name: ``"tiny"`` (CPU tests), ``"small"`` (CPU benchmarks) or ``"1b"``
-        (TinyLlama-1.1B's shape with 16 query heads of 128: 1.10B
-        parameters).
+        (TinyLlama-1.1B's shape, 22 blocks, with 16 query heads of 128:
+        1,123,117,056 parameters).
       **overrides: fields to change, e.g. ``num_layers=4``.
 
     Returns:
