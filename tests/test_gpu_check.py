@@ -153,10 +153,6 @@ def test_small_llama_modes_are_timed_and_their_largest_batch_found(tmp_path):
     assert used["2"] < used["4"], row
     assert row["largest_batch"] == max(
         int(b) for b, n in used.items() if n <= 10 * 2**20), row
-  # float32's step needs the most memory; 16-bit state the least.
-  used = {m: r["memory_bytes_by_batch"]["2"] for m, r in rows.items()}
-  assert used["mixed_bfloat16-state16"] < used["mixed_bfloat16"] < (
-      used["float32"])
   losses = [r["final_loss"] for r in rows.values()]
   assert max(losses) - min(losses) < 0.05 * max(losses), losses
 
