@@ -11,11 +11,12 @@ The pieces benchmarks/gpu_check.py calls for its ``llama`` workload:
 * `largest_batch(fits, start, cap)`: the largest power of two that fits,
   and `memory_fit`, a mode's device peak and largest batch;
 * `summary(rows)`: the ratios issue #53 sets targets for;
-* `torch_rows(size)`: the same Llama in PyTorch (``scaled_dot_product_attention``
-  with grouped-query heads, fused AdamW) under ``torch.compile`` with bf16
-  autocast, and with torchao's float8 training (tensorwise and rowwise
-  scaling, the head kept bf16): ms/step and peak memory; empty, with the
-  reason, where torch (or torchao) is not importable.
+* `torch_rows(size)`: the same Llama in PyTorch
+  (``scaled_dot_product_attention`` with grouped-query heads, fused AdamW)
+  under ``torch.compile`` with bf16 autocast, and with torchao's float8
+  training (tensorwise and rowwise scaling, the head kept bf16): ms/step
+  and peak memory; empty, with the reason, where torch (or torchao) is not
+  importable.
 """
 
 from __future__ import annotations
@@ -278,8 +279,10 @@ def torch_rows(size: str = "gpu", modes: Sequence[str] = TORCH_MODES,
     try:
       net = copy.deepcopy(initial)
       if mode.startswith("torchao"):
-        from torchao.float8 import Float8LinearConfig  # pylint: disable=g-import-not-at-top
-        from torchao.float8 import convert_to_float8_training  # pylint: disable=g-import-not-at-top
+        # pylint: disable-next=g-import-not-at-top
+        from torchao.float8 import Float8LinearConfig
+        # pylint: disable-next=g-import-not-at-top
+        from torchao.float8 import convert_to_float8_training
         convert_to_float8_training(
             net, config=Float8LinearConfig.from_recipe_name(
                 mode.rsplit("-", 1)[1]),
