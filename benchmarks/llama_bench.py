@@ -175,10 +175,12 @@ TORCH_MODES = ("torch-compile-bf16", "torchao-float8-tensorwise",
 
 
 def _torch_llama(size: str):
-  """`jmp_amp.models.Llama` in PyTorch: SDPA with grouped-query heads."""
+  """`jmp_amp.models.Llama` in PyTorch: SDPA with grouped-query heads
+  (``enable_gqa``, torch 2.5 on), `torch.nn.RMSNorm` (2.4 on)."""
   import torch  # pylint: disable=g-import-not-at-top
   from torch import nn  # pylint: disable=g-import-not-at-top
   from torch.nn import functional as F  # pylint: disable=g-import-not-at-top
+  import torch.utils.checkpoint  # pylint: disable=g-import-not-at-top
   c = config(size)
   d, heads, kv, dim = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
   linear = lambda i, o: nn.Linear(i, o, bias=False)
