@@ -4,7 +4,7 @@
                                               # benchmarks/results/gpu_check_<device>.json
     python benchmarks/gpu_check.py --small    # tiny sizes (the tests run it on a CPU)
 
-Two workloads, as users run them, compiled with XLA's default options:
+Three workloads, as users run them, compiled with XLA's default options:
 
 * ``mlp``: the bench's MLP at its compute-bound sizes (width 8192, 3 layers,
   batch 4096, SGD) in the modes, named as the bench's: float32,
@@ -19,6 +19,15 @@ Two workloads, as users run them, compiled with XLA's default options:
   modes (but all-FP8 and autocast), with model FLOP/s as a share of the
   device's dense bf16 peak (`gpt_bench`); torch's GPT with SDPA under bf16
   autocast, eager and under ``torch.compile``, where torch is installed.
+* ``llama`` (only with ``--workloads llama``): `jmp_amp.models.Llama`'s 1b
+  preset (1.12B parameters, T 2048, batch 8, adamw; blocks scanned and
+  rematerialised, `llama_bench`) in `LLAMA_MODES`, each mode in a process of
+  its own (one mode's weights and optimizer state are 18 GB), so its compile
+  seconds are a cold process's first call and its device peak its own; per
+  mode also the largest batch (powers of two) whose compiled step fits the
+  device's memory. Torch rows: the same Llama under ``torch.compile`` with
+  bf16 autocast and with torchao's float8 (tensorwise, rowwise), where torch
+  (and torchao) are installed.
 
 Each workload runs in a process of its own (a hung compile loses that
 workload only): every mode is compiled (the seconds it took are recorded),
@@ -46,11 +55,13 @@ SIZES = {
     "mlp": dict(width=8192, layers=3, batch_size=4096),
     "gpt": dict(vocab_size=32768, d_model=2048, num_heads=16, num_layers=4,
                 max_len=1024, batch_size=8),
+    "llama": dict(size="gpu", preset="1b", batch_size=8, max_batch=64),
 }
 SMALL = {
     "mlp": dict(width=64, layers=3, batch_size=16),
     "gpt": dict(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
                 max_len=64, batch_size=2),  # gpt_bench's "cpu" size
+    "llama": dict(size="cpu", preset="small", batch_size=2, max_batch=8),
 }
 # Named as the bench's modes (`jmp-amp bench --policy`): the policy, then
 # what is added to it.
@@ -70,13 +81,17 @@ MODES = {
 # not compiled after 75 s on an H200): each runs in a process of its own,
 # after the others, so a hang loses that mode alone.
 SLOW_COMPILE = {("gpt", "float8-rowwise")}
+# Issue #53's modes of the llama workload, each in a process of its own.
+LLAMA_MODES = ("float32", "mixed_bfloat16", "float8", "float8-rowwise",
+               "mixed_bfloat16-state16", "mixed_bfloat16-telemetry")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # gpt_bench.py: the GPT's FLOPs, peaks, torch rows
 
 
 def modes_for(model, names=None):
   return [n for n in (names or MODES)
-          if model in MODES[n].get("models", (model,))]
+          if model in MODES[n].get("models", (model,))
+          and (model != "llama" or n in LLAMA_MODES)]
 
 
 # --------------------------------------------------------------------------
@@ -126,6 +141,15 @@ def build(model_name, mode, sizes, seed=0):
     loss = mlp_lib.mse_loss
     base = optax.sgd(0.01)
     flops = 6.0 * b * w * w * sizes["layers"]
+  elif model_name == "llama":
+    import llama_bench
+    model = llama_bench.model(sizes["size"], seed=seed)
+    batches = [(t, t) for t in (llama_bench.tokens(
+        sizes["size"], sizes["batch_size"], seed=seed + i) for i in range(2))]
+    loss = gpt_lib.lm_loss
+    base = optax.adamw(1e-4)
+    flops = float(llama_bench.model_flops_per_step(sizes["size"],
+                                                   sizes["batch_size"]))
   else:
     cfg = {k: v for k, v in sizes.items() if k != "batch_size"}
     model = gpt_lib.GPT(**cfg, rngs=rngs)
@@ -196,7 +220,7 @@ def _dump(dump_dir, model_name, name, compiled):
 
 
 def run_workload(model_name, names, sizes, steps, repeats, out_path,
-                 dump_dir=None, options=None):
+                 dump_dir=None, options=None, memory_limit=None):
   """Compiles and times every mode of one workload; appends JSON lines.
 
   Each mode is timed once as soon as it is compiled (so a later compile that
@@ -228,7 +252,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
 
   warm_up()
   peak = None
-  if model_name == "gpt":
+  if model_name in ("gpt", "llama"):
     import gpt_bench
     peak = gpt_bench.peak_bf16_flops(jax.devices()[0].device_kind)
   prepared = {}
@@ -262,6 +286,10 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
       jax.block_until_ready(loss)
       run(p)
       emit_timed(name, p, peak)
+      if model_name == "llama":
+        import llama_bench
+        emit(llama_bench.memory_fit(name, step, p["state"], batches[0],
+                                    sizes, memory_limit, options, _memory))
     except Exception as e:  # pylint: disable=broad-except
       prepared.pop(name, None)
       emit(dict(workload=model_name, mode=name, event="failed",
@@ -283,6 +311,9 @@ def run_torch(workloads, sizes, steps, repeats, small, out_path):
     rows += _torch_mlp_rows(sizes["mlp"], steps, repeats)
   if "gpt" in workloads and not small:
     rows += _torch_gpt_rows(small, steps)
+  if "llama" in workloads and not small:  # inductor: minutes on a CPU
+    import llama_bench
+    rows += llama_bench.torch_rows("gpu", steps=steps)[0]
   with open(out_path, "a") as f:
     for r in rows:
       f.write(json.dumps(dict(r, event="torch"), default=str) + "\n")
@@ -366,10 +397,16 @@ def summary(rows):
            if (r["workload"], r["mode"]) == ("gpt", base)), None),
       "gpt mixed_bfloat16 speed vs torch.compile": _ratio(
           rows, "gpt", base, "torch-compile-sdpa"),
+      **_llama_summary(rows),
       "fp8 modes whose device GEMMs are not all FP8": sorted(
           f"{r['workload']}/{r['mode']}" for r in rows
           if r.get("fp8_problem")),
   }
+
+
+def _llama_summary(rows):
+  import llama_bench
+  return llama_bench.summary(rows)
 
 
 def device_name():
@@ -388,7 +425,7 @@ def groups(workloads, names=None, isolate=False):
   for model_name in workloads:
     modes = modes_for(model_name, names)
     fast = [m for m in modes if (model_name, m) not in SLOW_COMPILE]
-    if isolate:
+    if isolate or model_name == "llama":
       out += [(model_name, [m]) for m in fast]
     elif fast:
       out.append((model_name, fast))
@@ -453,7 +490,8 @@ def main(argv=None):
   parser.add_argument("--small", action="store_true",
                       help="tiny sizes, for a CPU (the tests)")
   parser.add_argument("--workloads", nargs="+", choices=list(SIZES),
-                      default=list(SIZES))
+                      # llama (1.1B, a process per mode) on request only.
+                      default=[w for w in SIZES if w != "llama"])
   parser.add_argument("--modes", nargs="+", choices=list(MODES))
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--repeats", type=int, default=5)
@@ -461,6 +499,9 @@ def main(argv=None):
                       help="seconds each worker process may take")
   parser.add_argument("--slow-timeout", type=float, default=120,
                       help="seconds a SLOW_COMPILE mode's process may take")
+  parser.add_argument("--llama-timeout", type=float, default=900,
+                      help="seconds each llama process may take (its mode's "
+                      "compile, timing and largest-batch compiles)")
   parser.add_argument("--budget", type=float, default=None,
                       help="seconds the whole check may take: a process "
                       "gets what is left, and none starts with under 30")
@@ -479,6 +520,10 @@ def main(argv=None):
                       "GEMMs off for FP8 modes, as make_train_step)")
   parser.add_argument("--out", help="the JSON file (default: "
                       "benchmarks/results/gpu_check_<device>.json)")
+  parser.add_argument("--memory-limit", type=int, default=None,
+                      help="bytes a llama step may take when searching its "
+                      "largest batch (default: the device's limit; a CPU "
+                      "has none, so the search is skipped there)")
   parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   sizes = SMALL if args.small else SIZES
@@ -491,7 +536,7 @@ def main(argv=None):
                 out_path)
     else:
       run_workload(model_name, names.split(","), sizes[model_name], steps,
-                   int(reps), out_path, args.dump, options)
+                   int(reps), out_path, args.dump, options, args.memory_limit)
     return 0
   lines_path = (args.out or "gpu_check") + ".partial.jsonl"
   if os.path.exists(lines_path):
@@ -522,6 +567,8 @@ def main(argv=None):
   for model_name, names in plan:
     timeout = (args.slow_timeout if len(names) == 1 and (
         model_name, names[0]) in SLOW_COMPILE else args.timeout)
+    if model_name == "llama":  # 1.1B: compiles and a batch search
+      timeout = max(timeout, args.llama_timeout)
     if args.budget is not None:
       timeout = min(timeout, args.budget - (time.perf_counter() - started))
     if timeout < 30:
@@ -532,7 +579,9 @@ def main(argv=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_name,
            ",".join(names), lines_path, str(args.repeats),
            "--steps", str(steps)] + (["--small"] if args.small else []) + (
-               ["--dump", args.dump] if args.dump else []) + [
+               ["--dump", args.dump] if args.dump else []) + (
+               [f"--memory-limit={args.memory_limit}"]
+               if args.memory_limit else []) + [
                    f"--compiler-option={o}" for o in args.compiler_option]
     print(f"gpu_check: {model_name}: {', '.join(names)} "
           f"(at most {timeout:.0f} s)", flush=True)

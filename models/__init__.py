@@ -8,6 +8,8 @@ so precision policies can be applied from outside.
 * `ResNet` / `LinenResNet`: a CIFAR-style ResNet with BatchNorm, with
   `cross_entropy_loss`.
 * `GPT`: a small GPT-style decoder, with `lm_loss`.
+* `Llama` / `LlamaConfig`: a Llama-style decoder (RMSNorm, rotary
+  embeddings, SwiGLU, grouped-query attention), tiny to 1B, with `lm_loss`.
 * `data`: deterministic synthetic batches for each.
 """
 
@@ -18,6 +20,8 @@ from .gpt import Block as GPTBlock
 from .gpt import CausalSelfAttention
 from .gpt import MLPBlock
 from .gpt import lm_loss
+from .llama import Llama
+from .llama import LlamaConfig
 from .mlp import LinenMLP
 from .mlp import MLP
 from .mlp import linen_params_from_nnx
@@ -30,7 +34,8 @@ from .resnet import cross_entropy_loss
 
 __all__ = [
     "BasicBlock", "CausalSelfAttention", "GPT", "GPTBlock", "LinenBasicBlock",
-    "LinenMLP", "LinenResNet", "MLP", "MLPBlock", "ResNet",
+    "LinenMLP", "LinenResNet", "Llama", "LlamaConfig", "MLP", "MLPBlock",
+    "ResNet",
     "cross_entropy_loss", "data", "linen_params_from_nnx",
     "linen_variables_from_nnx", "lm_loss", "mse_loss",
 ]

@@ -45,19 +45,21 @@ _dot_product_attention = jax.jit(
 
 
 @functools.lru_cache(maxsize=None)
-def _cudnn_takes(shape: tuple[int, ...], dtype: Any) -> bool:
-  """Whether cuDNN's fused attention accepts causal q = k = v of this type.
+def _cudnn_takes(q_shape: tuple[int, ...], kv_shape: tuple[int, ...],
+                 dtype: Any) -> bool:
+  """Whether cuDNN's fused attention accepts causal q, k = v of this type.
 
   Asked by tracing the cuDNN implementation abstractly: it raises when
-  cuDNN is not installed or the dtype (float32), head dim or sequence
-  lengths are ones it does not take.
+  cuDNN is not installed or the dtype (float32), head dim, head counts or
+  sequence lengths are ones it does not take.
   """
   if jnp.dtype(dtype) not in _HALF:
     return False
-  x = jax.ShapeDtypeStruct(shape, dtype)
+  q = jax.ShapeDtypeStruct(q_shape, dtype)
+  kv = jax.ShapeDtypeStruct(kv_shape, dtype)
   try:
     jax.eval_shape(functools.partial(_dot_product_attention, is_causal=True,
-                                     implementation="cudnn"), x, x, x)
+                                     implementation="cudnn"), q, kv, kv)
   except (RuntimeError, NotImplementedError, ValueError, TypeError):
     return False
   return True
@@ -74,10 +76,14 @@ def fused_causal_attention(q: jax.Array, k: jax.Array,
   elsewhere (the CPU). Otherwise, float32 inputs say, XLA's implementation.
   Both scale the scores by ``1 / sqrt(dim)`` and run the softmax in float32.
 
+  Keys and values may have fewer heads than the queries (grouped-query
+  attention): a number that divides the queries', each kv head serving that
+  many consecutive query heads.
+
   Args:
     q: queries ``[batch, length, heads, dim]``.
-    k: keys, same shape and dtype.
-    v: values, same shape and dtype.
+    k: keys ``[batch, length, kv_heads, dim]``, q's dtype.
+    v: values, k's shape and q's dtype.
 
   Returns:
     ``[batch, length, heads, dim]`` in the inputs' dtype.
@@ -92,8 +98,8 @@ def fused_causal_attention(q: jax.Array, k: jax.Array,
     xla = lambda q, k, v: lax.platform_dependent(
         q, k, v, default=half_xla, cpu=lambda *qkv: half_xla(
             *(a.astype(jnp.float32) for a in qkv)).astype(jnp.float16))
-  if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype
-          and _cudnn_takes(tuple(q.shape), q.dtype)):
+  if not (k.shape == v.shape and q.dtype == k.dtype == v.dtype
+          and _cudnn_takes(tuple(q.shape), tuple(k.shape), q.dtype)):
     return xla(q, k, v)
   cudnn = functools.partial(_dot_product_attention, is_causal=True,
                             implementation="cudnn")

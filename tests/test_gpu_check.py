@@ -81,3 +81,87 @@ def test_processes_run_slow_compiles_last_and_isolate_every_mode():
                       isolate=True)
   assert plan == [("gpt", ["float8"]), ("gpt", ["mixed_bfloat16"]),
                   ("gpt", ["float8-rowwise"])]
+
+
+# --------------------------------------------------------------------------
+# The llama workload (issue #53).
+
+
+def test_llama_runs_its_modes_each_in_a_process_of_its_own():
+  check = _gpu_check()
+  assert check.modes_for("llama") == [
+      "float32", "mixed_bfloat16", "float8", "float8-rowwise",
+      "mixed_bfloat16-state16", "mixed_bfloat16-telemetry"]
+  plan = check.groups(["gpt", "llama"], ["mixed_bfloat16", "float8",
+                                         "mixed_float16"])
+  assert plan == [("gpt", ["mixed_bfloat16", "float8", "mixed_float16"]),
+                  ("llama", ["mixed_bfloat16"]), ("llama", ["float8"])]
+
+
+def test_llama_flops_and_largest_batch():
+  llama_bench = helpers.benchmark("llama_bench")
+  # The 1b preset: every parameter but the 32000 x 2048 embedding table.
+  assert llama_bench.matmul_params("gpu") == 1_123_117_056 - 32000 * 2048
+  want = 8 * 2048 * (6 * llama_bench.matmul_params("gpu")
+                     + 12 * 22 * 2048 * 2048)
+  assert llama_bench.model_flops_per_step("gpu") == want
+  assert llama_bench.model_flops_per_step("gpu", 16) == 2 * want
+  tried = []
+  fits = lambda b: tried.append(b) or b <= 40
+  assert llama_bench.largest_batch(fits, 8, 256) == 32
+  assert tried == [8, 16, 32, 64]  # stops at the first that does not fit
+  assert llama_bench.largest_batch(lambda b: True, 8, 16) == 16
+  assert llama_bench.largest_batch(lambda b: False, 8, 16) is None
+
+
+def test_llama_summary_gives_the_issues_ratios():
+  rows = [dict(workload="llama", mode="mixed_bfloat16", ms_per_step=300.0,
+               bf16_peak_share=0.5, peak_bytes=40e9, largest_batch=16),
+          dict(workload="llama", mode="float8", ms_per_step=250.0,
+               peak_bytes=36e9, largest_batch=16),
+          dict(workload="llama", mode="mixed_bfloat16-state16",
+               ms_per_step=300.0, largest_batch=32),
+          dict(workload="llama", mode="torch-compile-bf16", ms_per_step=330.0,
+               peak_bytes=50e9),
+          dict(workload="llama", mode="torchao-float8-tensorwise",
+               ms_per_step=250.0, peak_bytes=30e9)]
+  got = _gpu_check().summary(rows)
+  assert got["llama mixed_bfloat16 share of the dense bf16 peak"] == 0.5
+  assert got["llama float8 speed vs mixed_bfloat16"] == pytest.approx(1.2)
+  assert got["llama largest batch state16 vs mixed_bfloat16"] == 2.0
+  assert got["llama mixed_bfloat16 speed vs torch-compile-bf16"] == (
+      pytest.approx(1.1))
+  assert got["llama float8 peak memory vs torchao-float8-tensorwise"] == (
+      pytest.approx(1.2))
+  assert got["llama float8-rowwise speed vs torchao-float8-rowwise"] is None
+
+
+@pytest.mark.slow  # a process per mode, each compiling: ~20-60 s a mode
+def test_small_llama_modes_are_timed_and_their_largest_batch_found(tmp_path):
+  modes = ["float32", "mixed_bfloat16", "mixed_bfloat16-state16",
+           "mixed_bfloat16-telemetry"]
+  code, result = _run(tmp_path, "--workloads", "llama", "--no-torch",
+                      "--memory-limit", str(10 * 2**20), "--modes", *modes)
+  assert code == 0, result
+  rows = {r["mode"]: r for r in result["rows"] if r["workload"] == "llama"}
+  assert sorted(rows) == sorted(modes)
+  for row in rows.values():
+    assert row["ms_per_step"] > 0 and row["compile_s"] > 0, row
+    assert row["model_tflops"] > 0 and row["memory_bytes"] > 0, row
+    # Batches 2, 4, 8 compiled; memory grows with the batch.
+    used = row["memory_bytes_by_batch"]
+    assert used["2"] < used["4"], row
+    assert row["largest_batch"] == max(
+        int(b) for b, n in used.items() if n <= 10 * 2**20), row
+  losses = [r["final_loss"] for r in rows.values()]
+  assert max(losses) - min(losses) < 0.05 * max(losses), losses
+
+
+@pytest.mark.slow  # a process per mode, each compiling: ~20-60 s a mode
+@pytest.mark.xfail(strict=True, reason="keep_first_last inside a scanned "
+                   "stack: fixed on branch h4-fp8")
+def test_small_llama_fp8_modes_run_with_their_default_rules(tmp_path):
+  code, result = _run(tmp_path, "--workloads", "llama", "--no-torch",
+                      "--modes", "float8", "float8-rowwise")
+  rows = {r["mode"]: r for r in result["rows"] if r["workload"] == "llama"}
+  assert code == 0 and all(r.get("ms_per_step") for r in rows.values()), rows
