@@ -234,8 +234,12 @@ def params_of(model):
 
 
 def kept_layout(model, layout, mesh) -> bool:
-  """Whether the params kept the layout `shard_params` gave them."""
-  pad = lambda spec, ndim: tuple(spec) + (None,) * (ndim - len(spec))
+  """Whether the params kept the layout `shard_params` gave them, over the
+  Explicit axes (over Auto ones, a jit without out_shardings may pick
+  another)."""
+  auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AUTO}
+  pad = lambda spec, ndim: tuple(None if a in auto else a for a in spec) + (
+      None,) * (ndim - len(spec))
   return all(
       pad(x.sharding.spec, x.ndim) == pad(layout_spec(
           layout, path_str(path), x.shape, mesh.axis_names), x.ndim)
