@@ -58,6 +58,8 @@ def parse_args(argv):
   p.add_argument("--save-at", type=int, default=None)
   p.add_argument("--resume", action="store_true")
   p.add_argument("--kill-process", type=int, default=1)
+  p.add_argument("--explicit", action="store_true",
+                 help="the mesh's axis Explicit (steps run under set_mesh)")
   return p.parse_args(argv)
 
 
@@ -109,7 +111,8 @@ def simulated_processes() -> int:
 
 
 def make_mesh():
-  mesh = Mesh(np.array(jax.devices()), ("data",))
+  explicit = (jax.sharding.AxisType.Explicit,) if ARGS.explicit else None
+  mesh = Mesh(np.array(jax.devices()), ("data",), axis_types=explicit)
   owners = [d.process_index for d in mesh.devices.flat]
   # The batch rows of process p are a contiguous block: the reference run
   # puts its fault into the same global rows.
@@ -294,7 +297,8 @@ def run_case(case, mesh):
             "steps": []}
   for i in range(first, ARGS.steps):
     batch = tuple(global_batch(mesh, a[i]) for a in (xs, ys, ws))
-    state, opt_state, metrics = step(state, opt_state, batch)
+    with jax.set_mesh(mesh):  # not the save: orbax 0.11 cannot save there
+      state, opt_state, metrics = step(state, opt_state, batch)
     record["steps"].append({k: local_value(v).item()
                             for k, v in metrics.items()})
     if ckpt_dir and ARGS.save_at == i + 1:
