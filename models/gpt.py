@@ -289,7 +289,10 @@ class GPT(nnx.Module):
     length = tokens.shape[-1]
     if length > self.max_len:
       raise ValueError(f"sequence length {length} > max_len {self.max_len}")
-    x = self.embed(tokens, out_sharding=_rows_of(tokens))
+    # Only when needed: flax 0.12.3's Embed takes no out_sharding.
+    rows = _rows_of(tokens)
+    x = self.embed(tokens) if rows is None else self.embed(
+        tokens, out_sharding=rows)
     x = x + self.pos_embed(jnp.arange(length))
     if self.scan_layers:
       @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)

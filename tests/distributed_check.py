@@ -58,8 +58,7 @@ def parse_args(argv):
   p.add_argument("--save-at", type=int, default=None)
   p.add_argument("--resume", action="store_true")
   p.add_argument("--kill-process", type=int, default=1)
-  p.add_argument("--explicit", action="store_true",
-                 help="the mesh's axis Explicit (steps run under set_mesh)")
+  p.add_argument("--explicit", action="store_true")  # Explicit axis
   return p.parse_args(argv)
 
 
@@ -147,7 +146,9 @@ def fsdp_spec(shape) -> P:
 
 def shardings(mesh, tree, layout):
   def one(x):
-    spec = fsdp_spec(np.shape(x)) if layout == "fsdp" else P()
+    # Explicit: a bias split like the batch cannot be added to it.
+    split = layout == "fsdp" and (np.ndim(x) > 1 or not ARGS.explicit)
+    spec = fsdp_spec(np.shape(x)) if split else P()
     return NamedSharding(mesh, spec)
   return jax.tree.map(one, tree)
 

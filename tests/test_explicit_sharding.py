@@ -109,7 +109,12 @@ def test_more_trajectories_match_one_device(slow_results):
   # make_train_step and a hand-written nnx.jit step; 16-bit optimizer state
   # (stochastic rounding); the GPT's projections tensor parallel and FSDP.
   _check_trajectories(slow_results)
-  assert len([k for k in slow_results if k.startswith("traj/")]) == 13
+  runs = [k for k in slow_results if k.startswith("traj/")]
+  if "gpt_skipped" in slow_results:  # flax 0.12.3
+    assert not any("gpt" in k for k in runs)
+    assert len(runs) == 8
+  else:
+    assert len(runs) == 13
 
 
 @pytest.mark.slow
