@@ -295,7 +295,11 @@ class GPT(nnx.Module):
     length = tokens.shape[-1]
     if length > self.max_len:
       raise ValueError(f"sequence length {length} > max_len {self.max_len}")
-    x = self.embed(tokens) + self.pos_embed(jnp.arange(length))
+    # Only when needed: flax 0.12.3's Embed takes no out_sharding.
+    rows = _rows_of(tokens)
+    x = self.embed(tokens) if rows is None else self.embed(
+        tokens, out_sharding=rows)
+    x = x + self.pos_embed(jnp.arange(length))
     if self.scan_layers:
       @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
       def run(block, x):
@@ -308,6 +312,16 @@ class GPT(nnx.Module):
     if self.head is None:
       return self.embed.attend(x)
     return self.head(x)
+
+
+def _rows_of(tokens: jax.Array) -> Optional[jax.sharding.PartitionSpec]:
+  """The sharding of the embeddings of `tokens`: under `Explicit` mesh axes,
+  a table lookup must be told it (each device looks up its own tokens);
+  None otherwise."""
+  spec = getattr(getattr(jax.typeof(tokens), "sharding", None), "spec", ())
+  if all(p is None for p in spec):
+    return None
+  return jax.sharding.PartitionSpec(*spec, None)
 
 
 @jax.custom_vjp

@@ -59,6 +59,7 @@ def parse_args(argv):
   p.add_argument("--save-at", type=int, default=None)
   p.add_argument("--resume", action="store_true")
   p.add_argument("--kill-process", type=int, default=1)
+  p.add_argument("--explicit", action="store_true")  # Explicit axis
   return p.parse_args(argv)
 
 
@@ -110,7 +111,8 @@ def simulated_processes() -> int:
 
 
 def make_mesh():
-  mesh = Mesh(np.array(jax.devices()), ("data",))
+  explicit = (jax.sharding.AxisType.Explicit,) if ARGS.explicit else None
+  mesh = Mesh(np.array(jax.devices()), ("data",), axis_types=explicit)
   owners = [d.process_index for d in mesh.devices.flat]
   # The batch rows of process p are a contiguous block: the reference run
   # puts its fault into the same global rows.
@@ -145,7 +147,9 @@ def fsdp_spec(shape) -> P:
 
 def shardings(mesh, tree, layout):
   def one(x):
-    spec = fsdp_spec(np.shape(x)) if layout == "fsdp" else P()
+    # Explicit: a bias split like the batch cannot be added to it.
+    split = layout == "fsdp" and (np.ndim(x) > 1 or not ARGS.explicit)
+    spec = fsdp_spec(np.shape(x)) if split else P()
     return NamedSharding(mesh, spec)
   return jax.tree.map(one, tree)
 
@@ -295,7 +299,8 @@ def run_case(case, mesh):
             "steps": []}
   for i in range(first, ARGS.steps):
     batch = tuple(global_batch(mesh, a[i]) for a in (xs, ys, ws))
-    state, opt_state, metrics = step(state, opt_state, batch)
+    with jax.set_mesh(mesh):  # not the save: orbax 0.11 cannot save there
+      state, opt_state, metrics = step(state, opt_state, batch)
     record["steps"].append({k: local_value(v).item()
                             for k, v in metrics.items()})
     if ckpt_dir and ARGS.save_at == i + 1:

@@ -182,17 +182,18 @@ FP8_CASE = "mlp-fsdp-fp8"
 
 
 def _train(out, processes, local_devices, cases, resume_cases, kill=False,
-           timeout=TIMEOUT):
+           timeout=TIMEOUT, extra=()):
   """The run (saving at step 3; then, with `kill`, process 1 killed during a
   save) and the run resumed from it (and reading the killed save)."""
   ckpt = os.path.join(str(out), "ckpt")
   launch(out, processes, local_devices, "--cases", ",".join(cases),
-         "--ckpt", ckpt, "--save-at", "3",
+         "--ckpt", ckpt, "--save-at", "3", *extra,
          *(["--then", "kill"] if kill else []), killed=1 if kill else None,
          timeout=timeout)
   launch(os.path.join(str(out), "resumed"), processes, local_devices,
          "--cases", ",".join(resume_cases), "--ckpt", ckpt, "--resume",
-         *(["--then", "after-kill"] if kill else []), timeout=timeout)
+         *extra, *(["--then", "after-kill"] if kill else []),
+         timeout=timeout)
 
 
 def _reference(out, processes, local_devices, cases, timeout=TIMEOUT):
@@ -307,12 +308,34 @@ def test_matches_the_single_process_run(two, two_reference, case):
 
 @pytest.mark.parametrize("case", FAST_CASES + (FP8_CASE,))
 def test_resumes_bitwise_from_a_multiprocess_checkpoint(two, case):
-  full = load(two, case, 2)
-  resumed = load(os.path.join(two, "resumed"), case, 2)
+  check_resume(two, case)
+
+
+def check_resume(out, case):
+  full = load(out, case, 2)
+  resumed = load(os.path.join(out, "resumed"), case, 2)
   for (r, arrays), (full_r, full_arrays) in zip(resumed, full):
     assert r["first_step"] == 3
     assert r["steps"] == full_r["steps"][3:]  # faults after the resume too
     assert _same_bytes(arrays, full_arrays)
+
+
+@pytest.fixture(scope="module")
+def two_explicit(tmp_path_factory):
+  """`two`'s MLP cases with the mesh's axis `Explicit`, under
+  `jax.set_mesh`: saved at step 3 and resumed."""
+  return _shared_run(tmp_path_factory, "two-explicit", lambda out: _train(
+      out, 2, 2, FAST_CASES, FAST_CASES, extra=("--explicit",)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_explicit_mesh_across_processes(two_explicit, case):
+  # bf16 (FSDP) and float16 with loss scaling (data parallel) over an
+  # Explicit axis spanning both processes: every process skips the NaN steps
+  # together, and the run resumes bit for bit from its checkpoint.
+  check_skips_and_agreement(two_explicit, case, 2)
+  check_resume(two_explicit, case)
 
 
 def test_fp8_amax_histories_are_global(two, two_reference):

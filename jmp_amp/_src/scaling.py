@@ -88,16 +88,33 @@ def _all_finite(grads) -> jax.Array:
   A gradient of more than `_SMALL` elements is first checked row by row
   along its last axis, into a float32 vector of 0 (finite row) or NaN. These
   vectors and the small gradients are then checked `_GROUP` at a time, each
-  group concatenated into one reduction.
+  group concatenated into one reduction. A gradient sharded in its type
+  (over `Explicit` mesh axes) cannot be flattened without a gather: it is
+  reduced over all its axes to one such flag, each device reading its own
+  shard.
   """
   parts = {}
   for g in jax.tree.leaves(grads):
-    if g.size > _SMALL:
+    if _typed_sharding(jax.typeof(g)) is not None:
+      g = jnp.where(jnp.isfinite(g).all(), 0.0, jnp.nan)
+    elif g.size > _SMALL:
       g = jnp.where(jnp.isfinite(g).all(axis=-1), 0.0, jnp.nan)
     if g.size:
       parts.setdefault(g.dtype, []).append(g.reshape(-1))
   return all_finite([jnp.concatenate(p[i:i + _GROUP])
                      for p in parts.values() for i in range(0, len(p), _GROUP)])
+
+
+def _typed_sharding(aval):
+  """`aval`'s sharding if its type shards it (over `Explicit` axes), or None.
+
+  A value of that type cannot be flattened, nor mixed in a `select` or a
+  `cond` with one of another sharding: what is built for it takes this one.
+  """
+  sharding = getattr(aval, "sharding", None)
+  if any(p is not None for p in getattr(sharding, "spec", ())):
+    return sharding
+  return None
 
 
 def _vma(aval) -> frozenset:
@@ -138,15 +155,20 @@ def _skip(finite, run, out_avals, old_state, how: str):
     new = run()
     return new[:n_updates] + optax.tree.cast_like(new[n_updates:], old_state)
 
-  # The predicate and -0.0 are broadcast once per shape and dtype.
-  neg0 = functools.cache(lambda shape, dtype: jnp.full(shape, -0.0, dtype))
+  # The predicate and -0.0 are broadcast once per shape, dtype and sharding
+  # in type (None but under `Explicit` mesh axes).
+  key = lambda x: (x.shape, x.dtype, _typed_sharding(x))
+  neg0 = functools.cache(lambda shape, dtype, sharding: jax.lax.full(
+      shape, -0.0, dtype, sharding=sharding))
   if how == "select":
     new = take()
-    pred = functools.cache(lambda shape: jax.lax.broadcast(finite, shape))
-    select = lambda new, old: jax.lax.select(pred(new.shape), new, old)
-    return ([select(u, neg0(u.shape, u.dtype)) for u in new[:n_updates]]
+    pred = functools.cache(lambda shape, _, sharding: jax.lax.broadcast(
+        finite, shape, out_sharding=sharding))
+    select = lambda new, old: jax.lax.select(
+        pred(*key(jax.typeof(new))), new, old)
+    return ([select(u, neg0(*key(jax.typeof(u)))) for u in new[:n_updates]]
             + [select(n, o) for n, o in zip(new[n_updates:], old_state)])
-  skipped = [neg0(a.shape, a.dtype) for a in out_avals[:n_updates]] + old_state
+  skipped = [neg0(*key(a)) for a in out_avals[:n_updates]] + old_state
   # Under shard_map both branches must vary over the same mesh axes: those of
   # the new value, the old one and the predicate, as a select's would.
   axes = [_vma(a) | _vma(jax.typeof(b)) | _vma(jax.typeof(finite))

@@ -96,6 +96,15 @@ def state_restore_args(target: Any, saved_leaves: Optional[dict[str, Any]]
       x = ocp.tree.to_shape_dtype_struct(x)
     if not isinstance(x, jax.ShapeDtypeStruct):  # a NumPy scalar
       x = jax.ShapeDtypeStruct((), np.result_type(x))
+    mesh = jax.sharding.get_mesh()  # `jax.set_mesh`'s, or an empty one
+    if not mesh.empty and isinstance(
+        x.sharding, (type(None), jax.sharding.SingleDeviceSharding)):
+      # Under `jax.set_mesh`, an array on one device (a fresh target's loss
+      # scale, made before any step) is restored replicated on the mesh, as
+      # the steps there return it: committed to one device, a step under
+      # the mesh would refuse it.
+      x = x.update(sharding=jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec()))
     if x.sharding is None:
       # Orbax needs a sharding to place the restored array; this process's
       # first device is what an unsharded run would use (in a multi-process

@@ -27,12 +27,24 @@ def dtype_of(x) -> np.dtype:
   return np.dtype(jax.typeof(x).dtype) if not hasattr(x, "dtype") else x.dtype
 
 
+def _typed_sharding(aval):
+  """`aval`'s sharding if its type shards it (`Explicit` mesh axes): a
+  function traced again on a struct of it must see it, or its broadcasts
+  and selects come out replicated, and mismatched."""
+  sharding = getattr(aval, "sharding", None)
+  if any(p is not None for p in getattr(sharding, "spec", ())):
+    return sharding
+  return None
+
+
 def struct(x) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(np.shape(x), dtype_of(x))
+  return jax.ShapeDtypeStruct(np.shape(x), dtype_of(x),
+                              sharding=_typed_sharding(jax.typeof(x)))
 
 
 def aval_struct(aval) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                              sharding=_typed_sharding(aval))
 
 
 def widest(dts: Iterable[np.dtype]) -> np.dtype:
