@@ -227,9 +227,8 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
     return nnx.state((m, o)), metrics
   graphdef, state = nnx.split((model, optimizer))
   # Compiled as make_train_step compiles it: Triton GEMMs off for FP8.
-  from jmp_amp._src import fp8 as fp8_lib  # pylint: disable=import-outside-toplevel
-  from jmp_amp.flax import _step_parts  # pylint: disable=import-outside-toplevel
-  options = fp8_lib.compiler_options(None, _step_parts.has_fp8_gemms(model))
+  from jmp_amp.tools.bench import workloads  # pylint: disable=import-outside-toplevel
+  options = workloads.step_compiler_options(model)
   return (jax.jit(pure, static_argnums=0, compiler_options=options),
           (graphdef, state, tokens))
 

@@ -112,8 +112,7 @@ def build(model_name, mode, sizes, seed=0):
   import jmp_amp
   import jmp_amp.flax as jflax
   from jmp_amp import optim
-  from jmp_amp._src import fp8 as fp8_lib
-  from jmp_amp.flax import _step_parts
+  from jmp_amp.tools.bench import workloads
   from jmp_amp.models import data as data_lib
   from jmp_amp.models import gpt as gpt_lib
   from jmp_amp.models import mlp as mlp_lib
@@ -161,8 +160,7 @@ def build(model_name, mode, sizes, seed=0):
 
   # As make_train_step's: Triton GEMMs off for FP8 GEMMs
   # (--compiler-option xla_gpu_enable_triton_gemm=true gives XLA's defaults).
-  options = fp8_lib.compiler_options(
-      None, _step_parts.has_fp8_gemms(model, mode.get("autocast")))
+  options = workloads.step_compiler_options(model, mode.get("autocast"))
   return (jax.jit(step, donate_argnums=0, compiler_options=options), state,
           batches, flops, options)
 

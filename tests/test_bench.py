@@ -108,6 +108,32 @@ def test_a_mode_is_named_after_its_policy(name):
           "-" + mode["precision"] if mode.get("precision") else "")
 
 
+@pytest.mark.parametrize("rules, autocast", [
+    ("mixed_bfloat16", None), ("float8", None), (None, "float8")])
+def test_bench_steps_compile_with_make_train_steps_options(rules, autocast):
+  # The bench jits its steps itself: with the XLA options make_train_step's
+  # own jax.jit gets for the same model (FP8: Triton GEMMs off).
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  from jmp_amp import models  # pylint: disable=g-import-not-at-top
+  model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
+  if rules is not None:
+    jmp_amp.flax.set_policies(model, rules)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+  step = jmp_amp.flax.make_train_step(
+      lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast)
+  with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
+    step(model, opt, (jnp.ones((4, 8)), jnp.zeros((4, 2))))
+  options = [c.kwargs["compiler_options"] for c in spy.call_args_list
+             if "compiler_options" in c.kwargs]
+  assert options == [workloads.step_compiler_options(model, autocast)]
+  assert (options[0] is not None) == ("float8" in (rules, autocast))
+
+
 def _report(runs, width):
   cfg = workloads.Config(**runs[0]["config"])
   env = {k: runs[0][k] for k in ("device", "platform")}

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jmp_amp
+from helpers import assert_trees_within_ulps
 from helpers import tree_bytes_equal
 
 OPTIMIZERS = {
@@ -241,7 +242,12 @@ def _reference_update(inner, loss_scale_state, grads, inner_state, params):
 
 @pytest.mark.parametrize("skip_with", ["auto", "cond", "select"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_bit_identical_to_reference_over_random_faulty_steps(name, skip_with):
+def test_agrees_with_reference_over_random_faulty_steps(name, skip_with):
+  # Each step, the library and the reference start from the same state.
+  # A taken step is two programs computing one formula: within 4 ulps (XLA
+  # contracts and vectorizes each its own way, per CPU and per version). A
+  # skipped step is the promise: params and inner state bit for bit. The
+  # scale is a power of two halved or doubled: exact in any program.
   rng = np.random.default_rng(sum(map(ord, name + skip_with)))
   params = {"w": jnp.asarray(rng.normal(size=(5, 7)), jnp.float32),
             "b": jnp.asarray(rng.normal(size=(7,)), jnp.float16)}
@@ -250,11 +256,9 @@ def test_bit_identical_to_reference_over_random_faulty_steps(name, skip_with):
                              skip_with=skip_with)
   inner = OPTIMIZERS[name]()
   state = opt.init(params)
-  ref_inner, ref_scale = inner.init(params), jmp_amp.DynamicLossScale(
-      2.0**6, period=3)
   update = jax.jit(opt.update)
   reference = jax.jit(lambda g, s, ls, p: _reference_update(inner, ls, g, s, p))
-  p = q = params
+  p = params
   faults = 0
   for step in range(40):
     grads = jax.tree_util.tree_map(
@@ -263,16 +267,19 @@ def test_bit_identical_to_reference_over_random_faulty_steps(name, skip_with):
       faults += 1
       bad = rng.choice([np.inf, -np.inf, np.nan])
       grads["w"] = grads["w"].at[tuple(rng.integers(0, 5, 2))].set(bad)
-    updates, state = update(grads, state, p)
     ref_updates, ref_inner, ref_scale, finite = reference(
-        grads, ref_inner, ref_scale, q)
-    assert tree_bytes_equal(updates, ref_updates), step
-    assert tree_bytes_equal(state.inner_state, ref_inner), step
-    assert tree_bytes_equal(state.loss_scale, ref_scale), step
-    assert bool(state.grads_finite) == bool(finite)
-    p = optax.apply_updates(p, updates)
-    q = optax.apply_updates(q, ref_updates)
-  assert tree_bytes_equal(p, q)
+        grads, state.inner_state, state.loss_scale, p)
+    updates, new_state = update(grads, state, p)
+    assert bool(new_state.grads_finite) == bool(finite), step
+    assert tree_bytes_equal(new_state.loss_scale, ref_scale), step
+    new_p = optax.apply_updates(p, updates)
+    if bool(finite):
+      assert_trees_within_ulps(updates, ref_updates)
+      assert_trees_within_ulps(new_state.inner_state, ref_inner)
+    else:
+      assert tree_bytes_equal(new_p, p), step
+      assert tree_bytes_equal(new_state.inner_state, state.inner_state), step
+    p, state = new_p, new_state
   assert faults >= 5 and int(state.skipped_steps) == faults
 
 

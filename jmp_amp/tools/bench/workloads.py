@@ -21,7 +21,6 @@ import numpy as np
 import optax
 
 import jmp_amp
-from jmp_amp._src import fp8 as fp8_lib
 
 # A mode's name is the policy it trains with (`jmp_amp.get_policy`'s name, or
 # "float8": FP8 matmuls), so that one name means one thing in the bench and in
@@ -93,6 +92,28 @@ def _loss_scale_for(mode: dict[str, Any], init_scale: float):
   return jmp_amp.NoOpLossScale()
 
 
+# The XLA options `jmp_amp.flax.make_train_step` compiles a step that runs
+# FP8 GEMMs with (docs/benchmarks.md says why: on an H200 XLA's autotuner
+# timed Triton kernels for minutes, then chose cuBLAS for every FP8 GEMM).
+# The bench jits its steps itself, and compiles them as make_train_step
+# would (tests/test_bench.py holds the two to the same options).
+FP8_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def step_compiler_options(model, autocast: Any = None
+                          ) -> Optional[dict[str, Any]]:
+  """The XLA options `make_train_step` compiles `model`'s step with:
+  `FP8_COMPILER_OPTIONS` when it runs FP8 GEMMs (the model has FP8 layers,
+  which hold an `FP8Meta`, or `autocast` names FP8), else None."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax.fp8  # pylint: disable=g-import-not-at-top
+  fp8 = (isinstance(autocast, str)
+         and autocast.strip().lower() in ("float8", "fp8", "f8"))
+  if fp8 or jax.tree.leaves(nnx.state(model, jmp_amp.flax.fp8.FP8Meta)):
+    return dict(FP8_COMPILER_OPTIONS)
+  return None
+
+
 def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
              tx: optax.GradientTransformation, init_scale: float = 2.0**15,
              example_args: Optional[tuple] = None):
@@ -108,7 +129,6 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
-  from jmp_amp.flax import _step_parts  # pylint: disable=g-import-not-at-top
 
   if mode.get("policy") == "float8":
     # FP8 matmuls but the first and last, norms float32, the rest bf16.
@@ -130,9 +150,8 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
     return nnx.state((model, optimizer)), metrics
 
   # As make_train_step compiles it: Triton GEMMs off for FP8 GEMMs.
-  fp8 = _step_parts.has_fp8_gemms(model, mode.get("autocast"))
-  return jax.jit(step, donate_argnums=0,
-                 compiler_options=fp8_lib.compiler_options(None, fp8)), state
+  options = step_compiler_options(model, mode.get("autocast"))
+  return jax.jit(step, donate_argnums=0, compiler_options=options), state
 
 
 def _nnx_workload(model, loss_of_output, mode, cfg, batches, flops,
