@@ -172,8 +172,9 @@ FEATURE_FLOORS = {"loss scaling": "finite check only",
 def _feature_step(variant, scan_layers=False, num_layers=None):
   """(jitted step, args) of `variant`'s whole GPT train step, to lower."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jmp_amp.flax  # pylint: disable=import-outside-toplevel
   from jmp_amp.models import gpt  # pylint: disable=import-outside-toplevel
+
+  import jmp_amp.flax  # pylint: disable=import-outside-toplevel
   config = dict(FEATURE_GPT, scan_layers=scan_layers)
   if num_layers is not None:
     config["num_layers"] = num_layers

@@ -85,6 +85,7 @@ def modes_for(model, names=None):
 
 def _rules(mode):
   import jax.numpy as jnp
+
   import jmp_amp
   import jmp_amp.flax as jflax
   if mode.get("fp8"):
@@ -104,18 +105,18 @@ def _rules(mode):
 def build(model_name, mode, sizes, seed=0):
   """(jitted step, state, batches, model FLOPs per step, its compiler
   options) of one mode."""
+  from flax import nnx
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from flax import nnx
-  import jmp_amp
-  import jmp_amp.flax as jflax
-  from jmp_amp import optim
-  from jmp_amp.tools.bench import workloads
   from jmp_amp.models import data as data_lib
   from jmp_amp.models import gpt as gpt_lib
   from jmp_amp.models import mlp as mlp_lib
+  import optax
+
+  import jmp_amp
+  from jmp_amp import optim
+  import jmp_amp.flax as jflax
+  from jmp_amp.tools.bench import workloads
 
   rngs = nnx.Rngs(seed)
   if model_name == "mlp":
@@ -200,6 +201,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
   hangs loses no earlier mode), then all of them in interleaved repeats.
   """
   import jax
+
   from jmp_amp.tools import audit
   from jmp_amp.tools.bench import timing
 

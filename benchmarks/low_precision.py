@@ -40,12 +40,12 @@ import time
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
+from jmp_amp.models import data as data_lib
 import numpy as np
 import optax
 
 import jmp_amp
 from jmp_amp import optim
-from jmp_amp.models import data as data_lib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,8 +91,9 @@ GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4)
 
 def memory_rows(shape, gemm="default"):
   from flax import nnx
-  import jmp_amp.flax as jflax
   from jmp_amp.models import gpt as gpt_lib
+
+  import jmp_amp.flax as jflax
   from jmp_amp.tools.bench import workloads
   tokens = jax.ShapeDtypeStruct((shape["batch_size"], shape["max_len"]),
                                 jnp.int32)
@@ -183,8 +184,9 @@ def train_curves(name, make_model, base_tx, seeds, batches_of, loss_fn,
 
 def digits_curves(name, seeds, steps, lr):
   from flax import nnx
-  import jmp_amp.flax as jflax
   from jmp_amp.models import mlp as mlp_lib
+
+  import jmp_amp.flax as jflax
   (x, y), (xt, yt) = data_lib.digits()
 
   def make_model(param_dtype, seed):
@@ -211,6 +213,7 @@ def digits_curves(name, seeds, steps, lr):
 def gpt_model(param_dtype, seed):
   from flax import nnx
   from jmp_amp.models import gpt as gpt_lib
+
   import jmp_amp.flax as jflax
   model = gpt_lib.GPT(vocab_size=64, d_model=64, num_heads=4, num_layers=2,
                       max_len=32, rngs=nnx.Rngs(seed))

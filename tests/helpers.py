@@ -6,9 +6,8 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 from jmp_amp.models import data as data_lib
+import numpy as np
 
 
 def tree_bytes_equal(a, b) -> bool:
@@ -102,6 +101,7 @@ def fp8_gemm_kinds(counts) -> dict:
 def h100_target_or_skip():
   """Skips the calling test unless the compile-only H100 target is here."""
   import pytest  # pylint: disable=import-outside-toplevel
+
   from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
   if not gpu_target.has_cuda_plugin():
     pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")

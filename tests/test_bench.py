@@ -114,11 +114,13 @@ def test_bench_steps_compile_with_make_train_steps_options(rules, autocast):
   # The bench jits its steps itself: with the XLA options make_train_step's
   # own jax.jit gets for the same model (FP8: Triton GEMMs off).
   from unittest import mock  # pylint: disable=g-import-not-at-top
+
+  from flax import nnx  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+
   from jmp_amp import models  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
   model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
   if rules is not None:
     jmp_amp.flax.set_policies(model, rules)

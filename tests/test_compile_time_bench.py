@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-import jmp_amp
-
 import helpers
+import jmp_amp
 
 
 @pytest.fixture(scope="module")

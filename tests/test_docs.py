@@ -40,14 +40,13 @@ import pathlib
 import re
 import shlex
 import subprocess
-import warnings
 from typing import Any, Optional
+import warnings
 
 import jax
 import pytest
 
 from jmp_amp.tools import gpu_target
-
 from jmp_amp.tools.bench import cli as bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

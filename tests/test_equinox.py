@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-import jmp_amp
 from helpers import tree_bytes_equal
+import jmp_amp
 
 eqx = pytest.importorskip("equinox")
 

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import tree_bytes_equal
 import jmp_amp
 from jmp_amp import testing as jt
-from helpers import tree_bytes_equal
 import reliability_helpers as rh
 
 NUM_STEPS = 1000

@@ -11,19 +11,19 @@ import subprocess
 import sys
 import warnings
 
-import flax.linen as nn
 from flax import nnx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import assert_trees_within_ulps
+from helpers import tree_bytes_equal
 import jmp_amp
 import jmp_amp.flax as jf
 from jmp_amp.flax import rules as rules_lib
 from jmp_amp.flax.rules import PolicyRules
-from helpers import assert_trees_within_ulps
-from helpers import tree_bytes_equal
 import models
 import test_flax_models as tm
 
@@ -725,7 +725,9 @@ def test_policied_state_tree_equals_the_unpoliced_one():
 
 @pytest.mark.parametrize("layer", ["conv", "linear"])
 def test_out_sharding_goes_through_the_jmp_amp_ops_with_half_backward(layer):
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import AxisType
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   rngs = nnx.Rngs(0)
   module = (nnx.Conv(3, 4, (3,), rngs=rngs) if layer == "conv"
             else nnx.Linear(3, 4, rngs=rngs))

@@ -26,13 +26,10 @@ def test_policy_is_frozen_hashable_and_static_for_jit():
     policy.compute_dtype = jnp.float16  # type: ignore[misc]
   assert hash(policy) == hash(jmp_amp.get_policy("p=f32,c=bf16,o=f32"))
 
-  @jax.jit
-  def f(x, policy):
-    return policy.cast_to_compute(x)
-
   f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
   assert f(jnp.ones(2), policy).dtype == jnp.bfloat16
-  assert f(jnp.ones(2), policy.with_compute_dtype(jnp.float16)).dtype == jnp.float16
+  assert f(jnp.ones(2),
+           policy.with_compute_dtype(jnp.float16)).dtype == jnp.float16
 
 
 @pytest.mark.parametrize("name, expected", [

@@ -10,9 +10,9 @@ import numpy as np
 import optax
 import pytest
 
-import jmp_amp
 from helpers import assert_trees_within_ulps
 from helpers import tree_bytes_equal
+import jmp_amp
 
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),

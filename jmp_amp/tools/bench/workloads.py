@@ -106,6 +106,7 @@ def step_compiler_options(model, autocast: Any = None
   `FP8_COMPILER_OPTIONS` when it runs FP8 GEMMs (the model has FP8 layers,
   which hold an `FP8Meta`, or `autocast` names FP8), else None."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   import jmp_amp.flax.fp8  # pylint: disable=g-import-not-at-top
   fp8 = (isinstance(autocast, str)
          and autocast.strip().lower() in ("float8", "fp8", "f8"))
@@ -128,6 +129,7 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
   steps.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
 
   if mode.get("policy") == "float8":
@@ -175,6 +177,7 @@ def mlp_initial_weights(cfg: Config) -> list[tuple[np.ndarray, np.ndarray]]:
   The torch rows start from these, so both frameworks train the same weights.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import mlp as mlp_lib  # pylint: disable=g-import-not-at-top
   model = mlp_lib.MLP(cfg.width, cfg.width, num_layers=cfg.layers,
                       rngs=nnx.Rngs(cfg.seed))
@@ -184,6 +187,7 @@ def mlp_initial_weights(cfg: Config) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def build_mlp(mode: dict[str, Any], cfg: Config) -> Workload:
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import mlp as mlp_lib  # pylint: disable=g-import-not-at-top
 
   model = mlp_lib.MLP(cfg.width, cfg.width, num_layers=cfg.layers,
@@ -197,6 +201,7 @@ def build_mlp(mode: dict[str, Any], cfg: Config) -> Workload:
 
 def build_resnet(mode: dict[str, Any], cfg: Config) -> Workload:
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import data as data_lib  # pylint: disable=g-import-not-at-top
   from jmp_amp.models import resnet as resnet_lib  # pylint: disable=g-import-not-at-top
 
@@ -211,6 +216,7 @@ def build_resnet(mode: dict[str, Any], cfg: Config) -> Workload:
 
 def build_gpt(mode: dict[str, Any], cfg: Config) -> Workload:
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import data as data_lib  # pylint: disable=g-import-not-at-top
   from jmp_amp.models import gpt as gpt_lib  # pylint: disable=g-import-not-at-top
 
