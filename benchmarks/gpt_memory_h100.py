@@ -62,7 +62,8 @@ def standard_lm_loss(logits, tokens):
 
 
 def previous_lm_loss(logits, tokens):
-  """The loss before: a float32 copy of the logits into optax's cross-entropy."""
+  """The loss before: a float32 copy of the logits into optax's
+  cross-entropy."""
   logits = jnp.asarray(logits[:, :-1], jnp.float32)
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
       logits, tokens[:, 1:]))

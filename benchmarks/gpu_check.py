@@ -1,8 +1,8 @@
 """The device check: every precision mode on a real GPU, in one command.
 
-    python benchmarks/gpu_check.py            # on a GPU: writes
-                                              # benchmarks/results/gpu_check_<device>.json
-    python benchmarks/gpu_check.py --small    # tiny sizes (the tests run it on a CPU)
+    python benchmarks/gpu_check.py          # on a GPU: writes
+                    # benchmarks/results/gpu_check_<device>.json
+    python benchmarks/gpu_check.py --small  # tiny sizes (the tests' CPU run)
 
 Two workloads, as users run them, compiled with XLA's default options:
 
@@ -564,7 +564,8 @@ def main(argv=None):
     json.dump(result, f, indent=1, sort_keys=True, default=str)
   for r in rows:
     print(f"{r['workload']:4} {r['mode']:24} "
-          + (f"{r['ms_per_step']:9.3f} ms  compile {r.get('compile_s') or 0:6.1f} s"
+          + (f"{r['ms_per_step']:9.3f} ms  "
+             f"compile {r.get('compile_s') or 0:6.1f} s"
              if r.get("ms_per_step") else f"FAILED {r.get('error', '')[:80]}")
           + (f"  NOT FP8: {r['fp8_problem']}" if r.get("fp8_problem") else ""))
   print(json.dumps(result["summary"], indent=1))

@@ -23,7 +23,8 @@ Writes benchmarks/results/low_precision.json (each part updates its own key):
 * ``--part cost`` (CPU): step time of the small GPT with stochastic rounding
   against round-to-nearest, interleaved in one process (median of rounds).
 
-    JAX_PLATFORMS=cpu python benchmarks/low_precision.py --part memory  # venv-gpu
+    # in the venv with the gpu-audit extra:
+    JAX_PLATFORMS=cpu python benchmarks/low_precision.py --part memory
     python benchmarks/low_precision.py --part accuracy
     python benchmarks/low_precision.py --part cost
 """
@@ -331,7 +332,8 @@ def part_cost(rounds, steps_per_round):
       jax.block_until_ready(entry[1])
       times[name].append((time.perf_counter() - t0) / steps_per_round)
   med = {n: statistics.median(t) for n, t in times.items()}
-  return {"rounding_1m_elements_s": rounding_costs(rounds),"model": "the accuracy part's small GPT, batch 16, AdamW",
+  return {"rounding_1m_elements_s": rounding_costs(rounds),
+          "model": "the accuracy part's small GPT, batch 16, AdamW",
           "rounds": rounds, "steps_per_round": steps_per_round,
           "median_step_s": med,
           "stochastic_vs_nearest": med[RECIPES[1]] / med[RECIPES[3]]}

@@ -1,4 +1,5 @@
-"""Assertion helpers shared by the tests (importable: tests/ is on pythonpath)."""
+"""Assertion helpers shared by the tests (importable: tests/ is on the
+pythonpath)."""
 
 import functools
 import importlib.util

@@ -284,7 +284,8 @@ def test_compare_torch_same_weights_and_batches(tmp_path):
     (["--width", "0"], "expected a positive integer, got 0"),
     (["--batch-size", "x"], "expected a positive integer, got 'x'"),
     (["--model", "vgg"], "invalid choice: 'vgg'"),
-    (["--steps", "2", "--warmup", "2"], "must be smaller than the number of steps"),
+    (["--steps", "2", "--warmup", "2"],
+     "must be smaller than the number of steps"),
     (["--lr", "-1"], "expected a positive number"),
     (["--repeats", "0"], "argument --repeats: expected a positive integer"),
     (["--seed", "-3"], "argument --seed: expected an integer from 0 to "

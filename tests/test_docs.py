@@ -14,11 +14,12 @@ Figures. A figure quoted in the prose carries, right after it, the place it
 comes from: ``0.50x<!-- fig: h100_compiled.json workloads.mlp.rows[mode=float8]
 .temp_bytes_vs_float32 -->`` (a file in benchmarks/results/, JSON or JSON
 Lines, the latter read as a list of its records; a dotted path
-where ``[i]`` indexes a list and ``[key=value]`` (or ``[k=v,k2=v2]``) picks the list item with that
-field; optionally ``*k`` or ``/k`` to convert units). The test reads the value
-and fails unless, rounded to the decimals quoted, it is the number written
-before the marker. Ratios, percentages, sizes and times in the prose without a
-marker fail too. Figures of the tools' own output are ```text output blocks.
+where ``[i]`` indexes a list and ``[key=value]`` (or ``[k=v,k2=v2]``) picks
+the list item with that field; optionally ``*k`` or ``/k`` to convert
+units). The test reads the value and fails unless, rounded to the decimals
+quoted, it is the number written before the marker. Ratios, percentages,
+sizes and times in the prose without a marker fail too. Figures of the
+tools' own output are ```text output blocks.
 
 Also: every ``jmp_amp.name`` the prose mentions is public (in its module's
 ``__all__``), removed names appear nowhere, relative links resolve, every
@@ -183,7 +184,8 @@ def blocks(text: str, page: str) -> list[Block]:
   return found
 
 
-def chains(page_blocks: list[Block]) -> list[list[tuple[Block, Optional[Block]]]]:
+def chains(page_blocks: list[Block]
+           ) -> list[list[tuple[Block, Optional[Block]]]]:
   """Python blocks with their output blocks, grouped by `continue`."""
   groups = []
   for i, block in enumerate(page_blocks):
@@ -514,7 +516,8 @@ def public(name: str) -> Any:
       continue
     child = getattr(obj, part)
     if inspect.ismodule(obj) and not inspect.ismodule(child):
-      assert part in getattr(obj, "__all__", (part,)), (
+      # Only the public modules have an __all__ (tests/test_public_api.py).
+      assert part in getattr(obj, "__all__", ()), (
           f"{name}: {part} is not in {obj.__name__}.__all__")
     obj = child
   return obj

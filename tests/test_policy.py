@@ -159,7 +159,8 @@ def test_jmp_readme_recipe_runs():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from(FLOATS), st.sampled_from(FLOATS), st.sampled_from(FLOATS))
+@given(st.sampled_from(FLOATS), st.sampled_from(FLOATS),
+       st.sampled_from(FLOATS))
 def test_str_round_trips_through_get_policy(p, c, o):
   policy = jmp_amp.Policy(p, c, o)
   assert jmp_amp.get_policy(str(policy)) == policy
@@ -177,7 +178,8 @@ def test_with_methods_replace_one_field():
 _LEAVES = st.one_of(
     st.sampled_from(["float32", "float16", "bfloat16"]).map(
         lambda d: ("float", d)),
-    st.sampled_from(["int32", "int8", "uint8", "bool"]).map(lambda d: ("int", d)),
+    st.sampled_from(["int32", "int8", "uint8", "bool"]).map(
+        lambda d: ("int", d)),
     st.just(("key", None)),
     st.sampled_from([1.5, 3, "name", None]).map(lambda v: ("py", v)),
 )

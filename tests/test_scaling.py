@@ -40,7 +40,8 @@ def _warm_state(opt, params, steps=3):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 def test_skipped_step_is_exact_noop(name, bad, small_params):
-  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](), jmp_amp.DynamicLossScale(2.0**8))
+  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](),
+                             jmp_amp.DynamicLossScale(2.0**8))
   state = _warm_state(opt, small_params)
   grads = _grads_like(small_params, 1.0)
   grads["dense"]["w"] = grads["dense"]["w"].at[1, 2].set(bad)
@@ -58,11 +59,12 @@ def test_skipped_step_is_exact_noop(name, bad, small_params):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_finite_step_equals_inner_on_unscaled_grads(name, small_params):
   scale = 2.0**12
-  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](), jmp_amp.DynamicLossScale(scale))
+  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](),
+                             jmp_amp.DynamicLossScale(scale))
   inner = OPTIMIZERS[name]()
   grads = jax.tree_util.tree_map(lambda p: 3.0 * p + 0.5, small_params)
-  updates, state = opt.update(jax.tree_util.tree_map(lambda g: g * scale, grads),
-                              opt.init(small_params), small_params)
+  scaled = jax.tree_util.tree_map(lambda g: g * scale, grads)
+  updates, state = opt.update(scaled, opt.init(small_params), small_params)
   expected, expected_inner = inner.update(grads, inner.init(small_params),
                                           small_params)
   chex.assert_trees_all_close(updates, expected, rtol=1e-6)
@@ -78,13 +80,14 @@ def test_clipping_sees_unscaled_gradients(small_params):
   grads = _grads_like(small_params, 0.01)  # norm well below 10
   scaled = jax.tree_util.tree_map(lambda g: g * 2.0**15, grads)
   updates, _ = tx.update(scaled, tx.init(small_params), small_params)
-  chex.assert_trees_all_close(updates, jax.tree_util.tree_map(lambda g: -g, grads),
-                              rtol=1e-6)
+  chex.assert_trees_all_close(
+      updates, jax.tree_util.tree_map(lambda g: -g, grads), rtol=1e-6)
 
 
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.sampled_from(["finite", "inf", "nan"]), min_size=1, max_size=8),
+@given(st.lists(st.sampled_from(["finite", "inf", "nan"]), min_size=1,
+                max_size=8),
        st.sampled_from(list(OPTIMIZERS)))
 def test_trajectory_equals_inner_run_that_omits_bad_steps(kinds, name):
   params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}
@@ -99,7 +102,8 @@ def test_trajectory_equals_inner_run_that_omits_bad_steps(kinds, name):
     scale = jmp_amp.get_scaling_state(state).loss_scale.loss_scale
     scaled = {"w": g["w"] * scale}
     if kind != "finite":
-      scaled = {"w": scaled["w"].at[0, 0].set(jnp.inf if kind == "inf" else jnp.nan)}
+      bad = jnp.inf if kind == "inf" else jnp.nan
+      scaled = {"w": scaled["w"].at[0, 0].set(bad)}
     else:
       u, inner_state = inner.update(g, inner_state, q)
       q = optax.apply_updates(q, u)
@@ -111,14 +115,17 @@ def test_trajectory_equals_inner_run_that_omits_bad_steps(kinds, name):
 
 
 def test_get_loss_scale_inside_multisteps_and_chain(small_params):
-  scaled = jmp_amp.loss_scaling(optax.adam(1e-3), jmp_amp.DynamicLossScale(2.0**9))
+  scaled = jmp_amp.loss_scaling(optax.adam(1e-3),
+                                jmp_amp.DynamicLossScale(2.0**9))
   for wrapped in (optax.MultiSteps(scaled, every_k_schedule=2),
                   optax.chain(optax.identity(), scaled),
                   optax.chain(optax.scale(1.0), optax.MultiSteps(scaled, 2))):
     state = wrapped.init(small_params)
-    assert float(jmp_amp.get_scaling_state(state).loss_scale.loss_scale) == 2.0**9
+    scale = jmp_amp.get_scaling_state(state).loss_scale.loss_scale
+    assert float(scale) == 2.0**9
     state = jax.jit(lambda s: s)(state)
-    assert float(jmp_amp.get_scaling_state(state).loss_scale.loss_scale) == 2.0**9
+    scale = jmp_amp.get_scaling_state(state).loss_scale.loss_scale
+    assert float(scale) == 2.0**9
 
 
 def test_multisteps_accumulates_then_applies_and_skips(small_params):
@@ -144,7 +151,8 @@ def test_noop_scale_still_skips_nonfinite(small_params):
   updates, new_state = opt.update(_grads_like(small_params, jnp.nan), state,
                                   small_params)
   assert tree_bytes_equal(new_state.inner_state, state.inner_state)
-  chex.assert_trees_all_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, updates))
+  chex.assert_trees_all_equal(
+      updates, jax.tree_util.tree_map(jnp.zeros_like, updates))
   no_skip = jmp_amp.loss_scaling(optax.sgd(1.0), jmp_amp.NoOpLossScale(),
                                  skip_nonfinite=False)
   updates, _ = no_skip.update(_grads_like(small_params, jnp.nan),
@@ -165,7 +173,8 @@ def test_half_gradients_are_unscaled_in_float32():
 
 
 def test_scaling_state_counts_and_compiles_once(small_params):
-  opt = jmp_amp.loss_scaling(optax.adam(1e-2), jmp_amp.DynamicLossScale(2.0**4, period=2))
+  opt = jmp_amp.loss_scaling(optax.adam(1e-2),
+                             jmp_amp.DynamicLossScale(2.0**4, period=2))
   state = opt.init(small_params)
   traces = []
 
@@ -173,7 +182,8 @@ def test_scaling_state_counts_and_compiles_once(small_params):
   def step(params, state, value):
     traces.append(None)
     updates, state = opt.update(_grads_like(params, value), state, params)
-    return optax.apply_updates(params, updates), state, jmp_amp.get_scaling_state(state)
+    return (optax.apply_updates(params, updates), state,
+            jmp_amp.get_scaling_state(state))
 
   params = small_params
   for value in [1.0, jnp.inf, 1.0, 1.0, 1.0, jnp.nan, 1.0]:
