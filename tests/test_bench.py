@@ -56,6 +56,7 @@ def tiny_runs(tmp_path_factory):
   return code, _read(path), plot_path, hlo_dir
 
 
+@pytest.mark.bench
 def test_every_default_mode_runs_with_stable_schema(tiny_runs):
   code, runs, plot_path, hlo_dir = tiny_runs
   assert code == 0
@@ -74,6 +75,7 @@ def test_every_default_mode_runs_with_stable_schema(tiny_runs):
   assert len(list(hlo_dir.iterdir())) == len(workloads.DEFAULT_MODES)
 
 
+@pytest.mark.bench
 def test_half_modes_have_all_dots_in_half_and_fp16_stays_finite(tiny_runs):
   _, runs, _, _ = tiny_runs
   by_mode = {r["mode"]: r for r in runs}
@@ -109,7 +111,9 @@ def test_a_mode_is_named_after_its_policy(name):
 
 
 @pytest.mark.parametrize("rules, autocast", [
-    ("mixed_bfloat16", None), ("float8", None), (None, "float8")])
+    ("float8", None),
+    pytest.param("mixed_bfloat16", None, marks=pytest.mark.bench),
+    pytest.param(None, "float8", marks=pytest.mark.bench)])
 def test_bench_steps_compile_with_make_train_steps_options(rules, autocast):
   # The bench jits its steps itself: with the XLA options make_train_step's
   # own jax.jit gets for the same model (FP8: Triton GEMMs off).
@@ -142,6 +146,7 @@ def _report(runs, width):
   return table.format_report(runs, env, cfg, width=width)
 
 
+@pytest.mark.bench
 def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
   _, runs, _, _ = tiny_runs
   text = _report(runs, 80)
@@ -164,6 +169,7 @@ def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
       text.split())
 
 
+@pytest.mark.bench
 def test_wide_terminal_shows_every_column(tiny_runs):
   _, runs, _, _ = tiny_runs
   wide = _report(runs, 250)
@@ -209,9 +215,11 @@ def _run_piped(argv, cwd, expected, env):
   return out
 
 
+@pytest.mark.bench
 def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
-  # In the default run (#35): the CLI as a user pipes it (`| tee`, CI), at
-  # 80 columns: progress on stderr while it runs, only the report on stdout.
+  # In .ci/run's bench step (#48; #35 had it in the default run): the CLI
+  # as a user pipes it (`| tee`, CI), at 80 columns: progress on stderr
+  # while it runs, only the report on stdout.
   # From a directory holding its own models.py: the bench must use
   # jmp_amp.models, never a top-level `models` found in the current directory.
   (tmp_path / "models.py").write_text(
@@ -252,6 +260,7 @@ def test_cli_dispatches_to_bench(monkeypatch):
   assert seen == [["bench", "--policy", "mixed_bfloat16"]]
 
 
+@pytest.mark.bench
 def test_compare_torch_same_weights_and_batches(tmp_path):
   pytest.importorskip("torch")
   path = tmp_path / "t.jsonl"
@@ -377,7 +386,7 @@ def test_failing_mode_is_reported_in_full_and_others_still_run(
   assert "1 failed (mixed_bfloat16)" in " ".join(out.split())
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   flags = [*TINY, "--policy", "mixed_float16", "--policy", "float32",
            "--repeats", "1"]
@@ -395,7 +404,7 @@ def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   assert iso[0]["peak_memory_bytes"] != iso[1]["peak_memory_bytes"]
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_repeats_train_the_same_steps_each_time(tmp_path):
   one, three = tmp_path / "1", tmp_path / "3"
   flags = [*TINY, "--policy", "mixed_float16"]
@@ -408,7 +417,7 @@ def test_repeats_train_the_same_steps_each_time(tmp_path):
   assert re.fullmatch(r"[0-9.]+", f"{b['step_spread']}")
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   path = tmp_path / "fp8.jsonl"
   assert cli.main(["bench", *TINY, "--policy", "float32", "--policy",
@@ -454,6 +463,7 @@ def test_plot_path_matplotlib_cannot_write_fails_before_running(
     assert ".pdf" in err and ".svg" in err
 
 
+@pytest.mark.bench
 def test_reader_closing_the_pipe_ends_quietly(tmp_path):
   # `jmp-amp bench | head -1`: here the reader is gone before the report is
   # printed, so the report's write always meets a closed pipe.
@@ -492,7 +502,7 @@ def test_verdict_claims_nothing_when_no_mode_ran():
   assert table.verdict([failed]) == "Verdict: 1 failed (float32)."
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
   # Pipes for stdout and stderr, as in CI or `| tee`: one line per mode as it
   # starts and ends, on stderr, while the bench runs.

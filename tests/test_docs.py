@@ -205,14 +205,21 @@ def requirements(block: Block) -> list[str]:
   """The `requires` directives of `block`, checked for a name and a reason."""
   names = []
   for directive in block.directives:
-    if directive == "continue":
+    if directive == "continue" or is_slow(directive):
       continue
     m = re.fullmatch(r"requires ([\w-]+):\s*(\S.*)", directive)
     assert m and m.group(1) in REQUIREMENTS, (
         f"{block.page}:{block.line}: unknown directive {directive!r}; use "
-        f"'continue' or 'requires NAME: why' with NAME in {list(REQUIREMENTS)}")
+        f"'continue', 'slow: why' or 'requires NAME: why' with NAME in "
+        f"{list(REQUIREMENTS)}")
     names.append(m.group(1))
   return names
+
+
+def is_slow(directive: str) -> bool:
+  """A ``slow: why`` directive: the block's chain runs with the tests marked
+  slow (`pytest -m slow`), not in the default run."""
+  return re.fullmatch(r"slow:\s*\S.*", directive) is not None
 
 
 def run_chain(chain: list[tuple[Block, Optional[Block]]]) -> None:
@@ -349,6 +356,8 @@ def _chain_param(chain):
   reason = NOT_YET_RUNNABLE.get((block.page, block.first_line))
   if reason:
     marks.append(pytest.mark.xfail(strict=True, reason=reason))
+  if any(is_slow(d) for b, _ in chain for d in b.directives):
+    marks.append(pytest.mark.slow)
   return pytest.param(chain, id=f"{block.page}:{block.line}", marks=marks)
 
 
@@ -390,6 +399,14 @@ def test_outputs_continuations_and_requirements_are_read():
   with pytest.raises(AssertionError, match="unknown directive"):
     requirements(blocks("<!-- docs: requires torch -->\n```python\n```\n",
                         "p")[0])
+  # A slow block, with its reason, runs with the slow tests.
+  slow = chains(blocks("<!-- docs: slow: trains a GPT -->\n"
+                       "<!-- docs: requires torch: the other side -->\n"
+                       "```python\nimport torch\n```\n", "p"))[0]
+  assert requirements(slow[0][0]) == ["torch"]
+  assert [m.name for m in _chain_param(slow).marks] == ["slow"]
+  with pytest.raises(AssertionError, match="unknown directive"):
+    requirements(blocks("<!-- docs: slow -->\n```python\n```\n", "p")[0])
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -21,6 +21,7 @@ def _run(tmp_path, *argv):
   return code, json.loads(out.read_text())
 
 
+@pytest.mark.bench
 def test_small_mlp_modes_are_compiled_timed_and_audited(tmp_path):
   # Without the torch rows, which run where torch is installed (an extra).
   code, result = _run(tmp_path, "--workloads", "mlp", "--modes", "float32",
@@ -66,7 +67,7 @@ def test_summary_ratios_and_fp8_failures():
   assert got["fp8 modes whose device GEMMs are not all FP8"] == ["gpt/float8"]
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_small_check_runs_every_mode_of_both_workloads(tmp_path):
   code, result = _run(tmp_path)
   assert code == 0, result

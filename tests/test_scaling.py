@@ -1,5 +1,7 @@
 """Tests for the loss_scaling optax transformation."""
 
+import functools
+
 import chex
 from hypothesis import given
 from hypothesis import settings
@@ -250,8 +252,12 @@ def _reference_update(inner, loss_scale_state, grads, inner_state, params):
   return updates, new_inner, loss_scale_state.adjust(finite), finite
 
 
-@pytest.mark.parametrize("skip_with", ["auto", "cond", "select"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# Each optimizer with auto and each mechanism with adam in the default run;
+# the other pairs with the slow tests.
+@pytest.mark.parametrize("name, skip_with", [
+    (name, how) if how == "auto" or name == "adam"
+    else pytest.param(name, how, marks=pytest.mark.slow)
+    for name in OPTIMIZERS for how in ("auto", "cond", "select")])
 def test_agrees_with_reference_over_random_faulty_steps(name, skip_with):
   # Each step, the library and the reference start from the same state.
   # A taken step is two programs computing one formula: within 4 ulps (XLA
@@ -414,11 +420,16 @@ def _reference_finite(loss_scale, tree) -> bool:
   return bool(jmp_amp.all_finite(jax.tree.map(unscale, tree)))
 
 
+_slow = functools.partial(pytest.param, marks=pytest.mark.slow)
+
+
+# One scale below 1 (the unscale can overflow) in the default run; the
+# others, each a dozen compiles, with the slow tests.
 @pytest.mark.parametrize("loss_scale", [
-    jmp_amp.NoOpLossScale(), jmp_amp.StaticLossScale(2.0**15),
+    _slow(jmp_amp.NoOpLossScale()), _slow(jmp_amp.StaticLossScale(2.0**15)),
     jmp_amp.StaticLossScale(2.0**-12),
-    jmp_amp.DynamicLossScale(2.0**-20, min_loss_scale=2.0**-30),
-    jmp_amp.DynamicLossScale(3.0)], ids=str)
+    _slow(jmp_amp.DynamicLossScale(2.0**-20, min_loss_scale=2.0**-30)),
+    _slow(jmp_amp.DynamicLossScale(3.0))], ids=str)
 def test_finite_check_agrees_with_all_finite_of_the_unscaled_grads(
     loss_scale):
   # Over leaves of many kinds (large ones checked alone, small ones in
