@@ -172,8 +172,9 @@ FEATURE_FLOORS = {"loss scaling": "finite check only",
 def _feature_step(variant, scan_layers=False, num_layers=None):
   """(jitted step, args) of `variant`'s whole GPT train step, to lower."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jmp_amp.flax  # pylint: disable=import-outside-toplevel
   from jmp_amp.models import gpt  # pylint: disable=import-outside-toplevel
+
+  import jmp_amp.flax  # pylint: disable=import-outside-toplevel
   config = dict(FEATURE_GPT, scan_layers=scan_layers)
   if num_layers is not None:
     config["num_layers"] = num_layers
@@ -227,9 +228,8 @@ def _feature_step(variant, scan_layers=False, num_layers=None):
     return nnx.state((m, o)), metrics
   graphdef, state = nnx.split((model, optimizer))
   # Compiled as make_train_step compiles it: Triton GEMMs off for FP8.
-  from jmp_amp.flax import _step_parts  # pylint: disable=import-outside-toplevel
-  options = (jmp_amp.fp8.compiler_options(platform="cuda")
-             if _step_parts.has_fp8_gemms(model) else None)
+  from jmp_amp.tools.bench import workloads  # pylint: disable=import-outside-toplevel
+  options = workloads.step_compiler_options(model, platform="cuda")
   return (jax.jit(pure, static_argnums=0, compiler_options=options),
           (graphdef, state, tokens))
 

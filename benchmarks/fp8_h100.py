@@ -58,8 +58,8 @@ import jax.numpy as jnp
 import optax
 
 import jmp_amp
-import jmp_amp.flax
 from jmp_amp import models
+import jmp_amp.flax
 from jmp_amp.flax import fp8 as flax_fp8
 from jmp_amp.tools import gpu_target
 

@@ -147,6 +147,7 @@ def build_step(mode: str, size: str = "gpu", attention: str = "fused",
     state and the batch ``(tokens, tokens)``.
   """
   from jmp_amp.models import gpt as gpt_lib  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.tools.bench import workloads  # pylint: disable=g-import-not-at-top
   if mode not in workloads.JAX_MODES:
     raise ValueError(f"mode must be one of {list(workloads.JAX_MODES)}, got "

@@ -36,11 +36,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
+from jmp_amp.models import gpt as gpt_lib
 import numpy as np
 import optax
 
 import h100_compiled  # this script's directory: the same GPT step
-from jmp_amp.models import gpt as gpt_lib
 from jmp_amp.tools import gpu_target
 from jmp_amp.tools import hlo_text
 from jmp_amp.tools.bench import gpu
@@ -62,7 +62,8 @@ def standard_lm_loss(logits, tokens):
 
 
 def previous_lm_loss(logits, tokens):
-  """The loss before: a float32 copy of the logits into optax's cross-entropy."""
+  """The loss before: a float32 copy of the logits into optax's
+  cross-entropy."""
   logits = jnp.asarray(logits[:, :-1], jnp.float32)
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
       logits, tokens[:, 1:]))

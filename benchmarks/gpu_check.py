@@ -1,8 +1,8 @@
 """The device check: every precision mode on a real GPU, in one command.
 
-    python benchmarks/gpu_check.py            # on a GPU: writes
-                                              # benchmarks/results/gpu_check_<device>.json
-    python benchmarks/gpu_check.py --small    # tiny sizes (the tests run it on a CPU)
+    python benchmarks/gpu_check.py          # on a GPU: writes
+                    # benchmarks/results/gpu_check_<device>.json
+    python benchmarks/gpu_check.py --small  # tiny sizes (the tests' CPU run)
 
 Three workloads, as users run them, compiled with XLA's default options:
 
@@ -100,6 +100,7 @@ def modes_for(model, names=None):
 
 def _rules(mode):
   import jax.numpy as jnp
+
   import jmp_amp
   import jmp_amp.flax as jflax
   if mode.get("fp8"):
@@ -119,18 +120,18 @@ def _rules(mode):
 def build(model_name, mode, sizes, seed=0):
   """(jitted step, state, batches, model FLOPs per step, its compiler
   options) of one mode."""
+  from flax import nnx
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from flax import nnx
-  import jmp_amp
-  import jmp_amp.flax as jflax
-  from jmp_amp import optim
-  from jmp_amp.flax import _step_parts
   from jmp_amp.models import data as data_lib
   from jmp_amp.models import gpt as gpt_lib
   from jmp_amp.models import mlp as mlp_lib
+  import optax
+
+  import jmp_amp
+  from jmp_amp import optim
+  import jmp_amp.flax as jflax
+  from jmp_amp.tools.bench import workloads
 
   rngs = nnx.Rngs(seed)
   if model_name == "mlp":
@@ -184,10 +185,8 @@ def build(model_name, mode, sizes, seed=0):
 
   # As make_train_step's: Triton GEMMs off for FP8 GEMMs
   # (--compiler-option xla_gpu_enable_triton_gemm=true gives XLA's defaults).
-  # (A CUDA GPU's options, also in --small mode on a CPU, which ignores
-  # them.)
-  fp8 = _step_parts.has_fp8_gemms(model, mode.get("autocast"))
-  options = jmp_amp.fp8.compiler_options(platform="cuda") if fp8 else None
+  options = workloads.step_compiler_options(
+      model, mode.get("autocast"), platform="cuda")
   return (jax.jit(step, donate_argnums=0, compiler_options=options), state,
           batches, flops, options)
 
@@ -227,6 +226,7 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
   hangs loses no earlier mode), then all of them in interleaved repeats.
   """
   import jax
+
   from jmp_amp.tools import audit
   from jmp_amp.tools.bench import timing
 
@@ -614,7 +614,8 @@ def main(argv=None):
     json.dump(result, f, indent=1, sort_keys=True, default=str)
   for r in rows:
     print(f"{r['workload']:4} {r['mode']:24} "
-          + (f"{r['ms_per_step']:9.3f} ms  compile {r.get('compile_s') or 0:6.1f} s"
+          + (f"{r['ms_per_step']:9.3f} ms  "
+             f"compile {r.get('compile_s') or 0:6.1f} s"
              if r.get("ms_per_step") else f"FAILED {r.get('error', '')[:80]}")
           + (f"  NOT FP8: {r['fp8_problem']}" if r.get("fp8_problem") else ""))
   print(json.dumps(result["summary"], indent=1))

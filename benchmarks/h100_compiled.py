@@ -12,12 +12,13 @@ is ``jmp_amp.autocast(..., "float8")``). Compiler figures, not timings.
 
 It compiles with XLA's default options, as a GPU does: GEMMs are Triton GEMM
 fusions or cuBLAS calls as XLA picks them, untuned since no GPU autotunes
-here; the FP8 modes' steps turn Triton GEMMs off, as `make_train_step` does. ``--gemm cublas`` turns Triton GEMMs off
+here; the FP8 modes' steps turn Triton GEMMs off, as `make_train_step`
+does. ``--gemm cublas`` turns Triton GEMMs off
 (``xla_gpu_enable_triton_gemm=False``, a configuration no GPU has unless
 asked for) and writes h100_compiled_cublas.{json,md,png}, labelled so.
 
-    JAX_PLATFORMS=cpu python benchmarks/h100_compiled.py          # all, + plot
-    python benchmarks/h100_compiled.py --plot-only     # plot + .md from the JSON
+    JAX_PLATFORMS=cpu python benchmarks/h100_compiled.py  # all, + plot
+    python benchmarks/h100_compiled.py --plot-only  # plot + .md from JSON
 
 Workloads: the seed MLP (width 4096, 3 layers, batch 512, SGD), the ResNet
 of `jmp-amp bench --model resnet` (CIFAR-sized, batch 128, SGD) and a GPT
@@ -136,7 +137,8 @@ def plot(results, path):
   fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.2),
                            squeeze=False)
   for ax, name in zip(axes[0], names):
-    rows = [r for r in results["workloads"][name]["rows"] if r["status"] == "ok"]
+    rows = [r for r in results["workloads"][name]["rows"]
+            if r["status"] == "ok"]
     width = 0.8 / len(metrics)
     for i, (key, label) in enumerate(metrics):
       ax.bar([j + i * width for j in range(len(rows))],
@@ -187,7 +189,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workload", action="append",
                       choices=("mlp", "resnet", "gpt"))
-  parser.add_argument("--mode", action="append", choices=list(workloads.JAX_MODES))
+  parser.add_argument("--mode", action="append",
+                      choices=list(workloads.JAX_MODES))
   parser.add_argument("--plot-only", action="store_true")
   parser.add_argument("--gemm", choices=list(gpu_target.GEMM_BACKENDS),
                       default="default",

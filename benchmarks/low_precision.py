@@ -23,7 +23,8 @@ Writes benchmarks/results/low_precision.json (each part updates its own key):
 * ``--part cost`` (CPU): step time of the small GPT with stochastic rounding
   against round-to-nearest, interleaved in one process (median of rounds).
 
-    JAX_PLATFORMS=cpu python benchmarks/low_precision.py --part memory  # venv-gpu
+    # in the venv with the gpu-audit extra:
+    JAX_PLATFORMS=cpu python benchmarks/low_precision.py --part memory
     python benchmarks/low_precision.py --part accuracy
     python benchmarks/low_precision.py --part cost
 """
@@ -40,12 +41,12 @@ import time
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
+from jmp_amp.models import data as data_lib
 import numpy as np
 import optax
 
 import jmp_amp
 from jmp_amp import optim
-from jmp_amp.models import data as data_lib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,8 +92,9 @@ GPT = dict(vocab_size=8192, d_model=1024, num_heads=16, num_layers=4)
 
 def memory_rows(shape, gemm="default"):
   from flax import nnx
-  import jmp_amp.flax as jflax
   from jmp_amp.models import gpt as gpt_lib
+
+  import jmp_amp.flax as jflax
   from jmp_amp.tools.bench import workloads
   tokens = jax.ShapeDtypeStruct((shape["batch_size"], shape["max_len"]),
                                 jnp.int32)
@@ -183,8 +185,9 @@ def train_curves(name, make_model, base_tx, seeds, batches_of, loss_fn,
 
 def digits_curves(name, seeds, steps, lr):
   from flax import nnx
-  import jmp_amp.flax as jflax
   from jmp_amp.models import mlp as mlp_lib
+
+  import jmp_amp.flax as jflax
   (x, y), (xt, yt) = data_lib.digits()
 
   def make_model(param_dtype, seed):
@@ -211,6 +214,7 @@ def digits_curves(name, seeds, steps, lr):
 def gpt_model(param_dtype, seed):
   from flax import nnx
   from jmp_amp.models import gpt as gpt_lib
+
   import jmp_amp.flax as jflax
   model = gpt_lib.GPT(vocab_size=64, d_model=64, num_heads=4, num_layers=2,
                       max_len=32, rngs=nnx.Rngs(seed))
@@ -328,7 +332,8 @@ def part_cost(rounds, steps_per_round):
       jax.block_until_ready(entry[1])
       times[name].append((time.perf_counter() - t0) / steps_per_round)
   med = {n: statistics.median(t) for n, t in times.items()}
-  return {"rounding_1m_elements_s": rounding_costs(rounds),"model": "the accuracy part's small GPT, batch 16, AdamW",
+  return {"rounding_1m_elements_s": rounding_costs(rounds),
+          "model": "the accuracy part's small GPT, batch 16, AdamW",
           "rounds": rounds, "steps_per_round": steps_per_round,
           "median_step_s": med,
           "stochastic_vs_nearest": med[RECIPES[1]] / med[RECIPES[3]]}

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import optax
 
 import jmp_amp
-import jmp_amp.flax
 from jmp_amp import models
+import jmp_amp.flax
 from jmp_amp.tools import gpu_target
 
 HERE = os.path.dirname(os.path.abspath(__file__))

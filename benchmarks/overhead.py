@@ -505,14 +505,16 @@ def run_h100(workload, skip=(), dump=None, gemm="default"):
   if base:
     for row in results.values():
       row["kernels_added"] = row["kernels"] - base["kernels"]
-      row["bytes_ratio"] = row["bytes_estimate"] / max(1, base["bytes_estimate"])
+      row["bytes_ratio"] = (row["bytes_estimate"]
+                            / max(1, base["bytes_estimate"]))
       row["temp_ratio"] = row["temp_bytes"] / max(1, base["temp_bytes"])
   return {"workload": workload, "widths": list(widths), "batch": batch_size,
           "optimizer": opt_name, "results": results, "errors": errors}
 
 
 def init_params_shapes(widths):
-  return [{"w": jnp.zeros((i, o), jnp.float32), "b": jnp.zeros((o,), jnp.float32)}
+  return [{"w": jnp.zeros((i, o), jnp.float32),
+           "b": jnp.zeros((o,), jnp.float32)}
           for i, o in zip(widths[:-1], widths[1:])]
 
 

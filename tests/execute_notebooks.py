@@ -42,7 +42,8 @@ def kernel_env(root: pathlib.Path) -> pathlib.Path:
 
 
 def execute(nb, jupyter_path: pathlib.Path, timeout: int = 600):
-  """Runs notebook `nb` (an nbformat node) in place; raises on a failing cell."""
+  """Runs notebook `nb` (an nbformat node) in place; raises on a failing
+  cell."""
   import nbclient  # pylint: disable=g-import-not-at-top
   old = os.environ.get("JUPYTER_PATH")
   os.environ["JUPYTER_PATH"] = str(jupyter_path)

@@ -1,13 +1,14 @@
-"""Assertion helpers shared by the tests (importable: tests/ is on pythonpath)."""
+"""Assertion helpers shared by the tests (importable: tests/ is on the
+pythonpath)."""
 
 import functools
 import importlib.util
 import pathlib
 
 import jax
-import numpy as np
-
+import jax.numpy as jnp
 from jmp_amp.models import data as data_lib
+import numpy as np
 
 
 def tree_bytes_equal(a, b) -> bool:
@@ -19,6 +20,47 @@ def tree_bytes_equal(a, b) -> bool:
   return all(np.asarray(x).dtype == np.asarray(y).dtype
              and np.asarray(x).tobytes() == np.asarray(y).tobytes()
              for x, y in zip(la, lb))
+
+
+def _ulp(x: np.ndarray, dtype) -> np.ndarray:
+  """The spacing of `dtype` at the float64 magnitudes `x` (ml_dtypes too)."""
+  info = jnp.finfo(dtype)
+  _, exp = np.frexp(x)  # x = m * 2**exp, 0.5 <= m < 1
+  return np.maximum(np.ldexp(1.0, exp - 1 - int(info.nmant)),
+                    float(info.smallest_subnormal))
+
+
+def assert_trees_within_ulps(a, b, ulps: int = 4) -> None:
+  """Two pytrees of the same structure and dtypes agree within `ulps` units
+  in the last place: for results of two differently compiled programs.
+
+  XLA picks fusion, vector width and FMA contraction per CPU and per
+  version, so two programs that compute the same formula may round an ulp
+  apart on one machine and alike on another. An element's ulp is its
+  dtype's spacing at the larger of the two magnitudes, or at its leaf's
+  largest magnitude, whichever is wider: an element that comes out of a
+  cancellation carries the rounding of the larger terms it came from.
+  NaNs and infinities must match exactly; non-floating leaves too.
+  """
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb, (ta, tb)
+  for i, (x, y) in enumerate(zip(la, lb)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, (i, x.dtype, y.dtype)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
+      np.testing.assert_array_equal(x, y, err_msg=f"leaf {i}")
+      continue
+    xf, yf = x.astype(np.float64), y.astype(np.float64)
+    finite = np.isfinite(xf) & np.isfinite(yf)
+    np.testing.assert_array_equal(np.where(finite, 0, xf),
+                                  np.where(finite, 0, yf),
+                                  err_msg=f"leaf {i}: inf/NaN differ")
+    big = np.where(finite, np.maximum(np.abs(xf), np.abs(yf)), 0.0)
+    ulp = np.maximum(_ulp(big, x.dtype), _ulp(np.max(big), x.dtype))
+    off = np.abs(np.where(finite, xf - yf, 0.0)) / ulp
+    assert np.all(off <= ulps), (
+        f"leaf {i} ({x.dtype}): {np.max(off):g} ulps apart, at most {ulps}")
 
 
 def pure(tree):
@@ -60,6 +102,7 @@ def fp8_gemm_kinds(counts) -> dict:
 def h100_target_or_skip():
   """Skips the calling test unless the compile-only H100 target is here."""
   import pytest  # pylint: disable=import-outside-toplevel
+
   from jmp_amp.tools import gpu_target  # pylint: disable=import-outside-toplevel
   if not gpu_target.has_cuda_plugin():
     pytest.skip("needs the CUDA plugin (pip install 'jmp-amp[gpu-audit]')")

@@ -30,7 +30,8 @@ def regression_data(scenario, seed=0):
 
 
 def torch_run(scenario):
-  """`torch.amp.GradScaler` + SGD on the scenario: scales, skips, final weights."""
+  """`torch.amp.GradScaler` + SGD on the scenario: scales, skips, final
+  weights."""
   import torch  # pylint: disable=g-import-not-at-top
   xs, ys, w0, b0 = regression_data(scenario)
   model = torch.nn.Linear(5, 2)

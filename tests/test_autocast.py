@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import tree_bytes_equal
 import jmp_amp
 from jmp_amp._src.autocast import structural
-from helpers import tree_bytes_equal
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)

@@ -56,6 +56,7 @@ def tiny_runs(tmp_path_factory):
   return code, _read(path), plot_path, hlo_dir
 
 
+@pytest.mark.bench
 def test_every_default_mode_runs_with_stable_schema(tiny_runs):
   code, runs, plot_path, hlo_dir = tiny_runs
   assert code == 0
@@ -74,6 +75,7 @@ def test_every_default_mode_runs_with_stable_schema(tiny_runs):
   assert len(list(hlo_dir.iterdir())) == len(workloads.DEFAULT_MODES)
 
 
+@pytest.mark.bench
 def test_half_modes_have_all_dots_in_half_and_fp16_stays_finite(tiny_runs):
   _, runs, _, _ = tiny_runs
   by_mode = {r["mode"]: r for r in runs}
@@ -108,12 +110,48 @@ def test_a_mode_is_named_after_its_policy(name):
           "-" + mode["precision"] if mode.get("precision") else "")
 
 
+@pytest.mark.parametrize("rules, autocast", [
+    ("float8", None),
+    pytest.param("mixed_bfloat16", None, marks=pytest.mark.bench),
+    pytest.param(None, "float8", marks=pytest.mark.bench)])
+def test_bench_steps_compile_with_make_train_steps_options(rules, autocast):
+  # The bench jits its steps itself: with the XLA options make_train_step's
+  # own jax.jit gets for the same model (FP8: Triton GEMMs off).
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from jmp_amp import models  # pylint: disable=g-import-not-at-top
+  from jmp_amp._src import fp8_compile  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+  model = models.MLP(8, 2, num_layers=3, width=16, rngs=nnx.Rngs(0))
+  if rules is not None:
+    jmp_amp.flax.set_policies(model, rules)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
+      optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
+  # Compiled for CUDA as far as the options go (XLA:CPU ignores them).
+  with mock.patch.object(fp8_compile, "_platform", return_value="cuda"):
+    step = jmp_amp.flax.make_train_step(
+        lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast)
+    with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
+      step(model, opt, (jnp.ones((4, 8)), jnp.zeros((4, 2))))
+  options = [c.kwargs["compiler_options"] for c in spy.call_args_list
+             if "compiler_options" in c.kwargs]
+  # The step that runs is the last one jitted.
+  assert options[-1] == workloads.step_compiler_options(
+      model, autocast, platform="cuda")
+  assert (options[-1] is not None) == ("float8" in (rules, autocast))
+
+
 def _report(runs, width):
   cfg = workloads.Config(**runs[0]["config"])
   env = {k: runs[0][k] for k in ("device", "platform")}
   return table.format_report(runs, env, cfg, width=width)
 
 
+@pytest.mark.bench
 def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
   _, runs, _, _ = tiny_runs
   text = _report(runs, 80)
@@ -136,6 +174,7 @@ def test_report_fits_80_columns_with_legend_verdict_and_cpu_note(tiny_runs):
       text.split())
 
 
+@pytest.mark.bench
 def test_wide_terminal_shows_every_column(tiny_runs):
   _, runs, _, _ = tiny_runs
   wide = _report(runs, 250)
@@ -181,9 +220,11 @@ def _run_piped(argv, cwd, expected, env):
   return out
 
 
+@pytest.mark.bench
 def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
-  # In the default run (#35): the CLI as a user pipes it (`| tee`, CI), at
-  # 80 columns: progress on stderr while it runs, only the report on stdout.
+  # In .ci/run's bench step (#48; #35 had it in the default run): the CLI
+  # as a user pipes it (`| tee`, CI), at 80 columns: progress on stderr
+  # while it runs, only the report on stdout.
   # From a directory holding its own models.py: the bench must use
   # jmp_amp.models, never a top-level `models` found in the current directory.
   (tmp_path / "models.py").write_text(
@@ -224,6 +265,7 @@ def test_cli_dispatches_to_bench(monkeypatch):
   assert seen == [["bench", "--policy", "mixed_bfloat16"]]
 
 
+@pytest.mark.bench
 def test_compare_torch_same_weights_and_batches(tmp_path):
   pytest.importorskip("torch")
   path = tmp_path / "t.jsonl"
@@ -256,7 +298,8 @@ def test_compare_torch_same_weights_and_batches(tmp_path):
     (["--width", "0"], "expected a positive integer, got 0"),
     (["--batch-size", "x"], "expected a positive integer, got 'x'"),
     (["--model", "vgg"], "invalid choice: 'vgg'"),
-    (["--steps", "2", "--warmup", "2"], "must be smaller than the number of steps"),
+    (["--steps", "2", "--warmup", "2"],
+     "must be smaller than the number of steps"),
     (["--lr", "-1"], "expected a positive number"),
     (["--repeats", "0"], "argument --repeats: expected a positive integer"),
     (["--seed", "-3"], "argument --seed: expected an integer from 0 to "
@@ -348,7 +391,7 @@ def test_failing_mode_is_reported_in_full_and_others_still_run(
   assert "1 failed (mixed_bfloat16)" in " ".join(out.split())
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   flags = [*TINY, "--policy", "mixed_float16", "--policy", "float32",
            "--repeats", "1"]
@@ -366,7 +409,7 @@ def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
   assert iso[0]["peak_memory_bytes"] != iso[1]["peak_memory_bytes"]
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_repeats_train_the_same_steps_each_time(tmp_path):
   one, three = tmp_path / "1", tmp_path / "3"
   flags = [*TINY, "--policy", "mixed_float16"]
@@ -379,7 +422,7 @@ def test_repeats_train_the_same_steps_each_time(tmp_path):
   assert re.fullmatch(r"[0-9.]+", f"{b['step_spread']}")
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_fp8_modes_run_on_cpu_emulated_and_labelled(tmp_path):
   path = tmp_path / "fp8.jsonl"
   assert cli.main(["bench", *TINY, "--policy", "float32", "--policy",
@@ -425,6 +468,7 @@ def test_plot_path_matplotlib_cannot_write_fails_before_running(
     assert ".pdf" in err and ".svg" in err
 
 
+@pytest.mark.bench
 def test_reader_closing_the_pipe_ends_quietly(tmp_path):
   # `jmp-amp bench | head -1`: here the reader is gone before the report is
   # printed, so the report's write always meets a closed pipe.
@@ -463,7 +507,7 @@ def test_verdict_claims_nothing_when_no_mode_ran():
   assert table.verdict([failed]) == "Verdict: 1 failed (float32)."
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
   # Pipes for stdout and stderr, as in CI or `| tee`: one line per mode as it
   # starts and ends, on stderr, while the bench runs.

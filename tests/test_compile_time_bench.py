@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-import jmp_amp
-
 import helpers
+import jmp_amp
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +89,7 @@ def test_a_run_of_some_variants_reports_the_pairs_they_make(script,
   assert set(report["floors"]) == {"loss scaling"}
 
 
+@pytest.mark.bench
 def test_loss_scalings_floor_checks_every_gradient_and_never_skips(script):
   # One block: the floor's step has the finite check (an is_finite per
   # gradient, beside the loss's own) that the step by hand lacks, and not
@@ -107,6 +107,7 @@ def test_loss_scalings_floor_checks_every_gradient_and_never_skips(script):
           < conds["bf16"])
 
 
+@pytest.mark.bench
 def test_loss_scalings_kernels_on_an_h100_do_not_grow_with_depth(script):
   # The check's unscale and the update's are one value; merged into one
   # HLO, XLA wrote it out as a kernel of its own per weight gradient (a

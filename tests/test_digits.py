@@ -1,4 +1,5 @@
-"""Real data: mixed precision trains scikit-learn's digits to float32 accuracy."""
+"""Real data: mixed precision trains scikit-learn's digits to float32
+accuracy."""
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,7 @@ def test_bf16_and_fp16_match_float32_accuracy_on_digits():
   assert abs(acc_fp16 - acc32) <= 0.015, (acc32, acc_fp16)
   # Master weights stay float32 and finite.
   for p in (p_bf16, p_fp16):
-    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(p))
+    assert all(leaf.dtype == jnp.float32
+               for leaf in jax.tree_util.tree_leaves(p))
     assert bool(jmp_amp.all_finite(p))
   assert float(jmp_amp.get_scaling_state(state).loss_scale.loss_scale) >= 1.0

@@ -14,11 +14,12 @@ Figures. A figure quoted in the prose carries, right after it, the place it
 comes from: ``0.50x<!-- fig: h100_compiled.json workloads.mlp.rows[mode=float8]
 .temp_bytes_vs_float32 -->`` (a file in benchmarks/results/, JSON or JSON
 Lines, the latter read as a list of its records; a dotted path
-where ``[i]`` indexes a list and ``[key=value]`` (or ``[k=v,k2=v2]``) picks the list item with that
-field; optionally ``*k`` or ``/k`` to convert units). The test reads the value
-and fails unless, rounded to the decimals quoted, it is the number written
-before the marker. Ratios, percentages, sizes and times in the prose without a
-marker fail too. Figures of the tools' own output are ```text output blocks.
+where ``[i]`` indexes a list and ``[key=value]`` (or ``[k=v,k2=v2]``) picks
+the list item with that field; optionally ``*k`` or ``/k`` to convert
+units). The test reads the value and fails unless, rounded to the decimals
+quoted, it is the number written before the marker. Ratios, percentages,
+sizes and times in the prose without a marker fail too. Figures of the
+tools' own output are ```text output blocks.
 
 Also: every ``jmp_amp.name`` the prose mentions is public (in its module's
 ``__all__``), removed names appear nowhere, relative links resolve, every
@@ -40,14 +41,13 @@ import pathlib
 import re
 import shlex
 import subprocess
-import warnings
 from typing import Any, Optional
+import warnings
 
 import jax
 import pytest
 
 from jmp_amp.tools import gpu_target
-
 from jmp_amp.tools.bench import cli as bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -184,7 +184,8 @@ def blocks(text: str, page: str) -> list[Block]:
   return found
 
 
-def chains(page_blocks: list[Block]) -> list[list[tuple[Block, Optional[Block]]]]:
+def chains(page_blocks: list[Block]
+           ) -> list[list[tuple[Block, Optional[Block]]]]:
   """Python blocks with their output blocks, grouped by `continue`."""
   groups = []
   for i, block in enumerate(page_blocks):
@@ -204,14 +205,21 @@ def requirements(block: Block) -> list[str]:
   """The `requires` directives of `block`, checked for a name and a reason."""
   names = []
   for directive in block.directives:
-    if directive == "continue":
+    if directive == "continue" or is_slow(directive):
       continue
     m = re.fullmatch(r"requires ([\w-]+):\s*(\S.*)", directive)
     assert m and m.group(1) in REQUIREMENTS, (
         f"{block.page}:{block.line}: unknown directive {directive!r}; use "
-        f"'continue' or 'requires NAME: why' with NAME in {list(REQUIREMENTS)}")
+        f"'continue', 'slow: why' or 'requires NAME: why' with NAME in "
+        f"{list(REQUIREMENTS)}")
     names.append(m.group(1))
   return names
+
+
+def is_slow(directive: str) -> bool:
+  """A ``slow: why`` directive: the block's chain runs with the tests marked
+  slow (`pytest -m slow`), not in the default run."""
+  return re.fullmatch(r"slow:\s*\S.*", directive) is not None
 
 
 def run_chain(chain: list[tuple[Block, Optional[Block]]]) -> None:
@@ -348,6 +356,8 @@ def _chain_param(chain):
   reason = NOT_YET_RUNNABLE.get((block.page, block.first_line))
   if reason:
     marks.append(pytest.mark.xfail(strict=True, reason=reason))
+  if any(is_slow(d) for b, _ in chain for d in b.directives):
+    marks.append(pytest.mark.slow)
   return pytest.param(chain, id=f"{block.page}:{block.line}", marks=marks)
 
 
@@ -389,6 +399,14 @@ def test_outputs_continuations_and_requirements_are_read():
   with pytest.raises(AssertionError, match="unknown directive"):
     requirements(blocks("<!-- docs: requires torch -->\n```python\n```\n",
                         "p")[0])
+  # A slow block, with its reason, runs with the slow tests.
+  slow = chains(blocks("<!-- docs: slow: trains a GPT -->\n"
+                       "<!-- docs: requires torch: the other side -->\n"
+                       "```python\nimport torch\n```\n", "p"))[0]
+  assert requirements(slow[0][0]) == ["torch"]
+  assert [m.name for m in _chain_param(slow).marks] == ["slow"]
+  with pytest.raises(AssertionError, match="unknown directive"):
+    requirements(blocks("<!-- docs: slow -->\n```python\n```\n", "p")[0])
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -515,7 +533,8 @@ def public(name: str) -> Any:
       continue
     child = getattr(obj, part)
     if inspect.ismodule(obj) and not inspect.ismodule(child):
-      assert part in getattr(obj, "__all__", (part,)), (
+      # Only the public modules have an __all__ (tests/test_public_api.py).
+      assert part in getattr(obj, "__all__", ()), (
           f"{name}: {part} is not in {obj.__name__}.__all__")
     obj = child
   return obj

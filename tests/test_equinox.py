@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-import jmp_amp
 from helpers import tree_bytes_equal
+import jmp_amp
 
 eqx = pytest.importorskip("equinox")
 
@@ -51,7 +51,8 @@ def make_step(loss_fn, opt, scaled):
     params, static = eqx.partition(model, eqx.is_inexact_array)
     loss_of = lambda p, x, y: loss_fn(eqx.combine(p, static), x, y)
     if scaled:
-      loss, grads = jmp_amp.scaled_value_and_grad(loss_of)(opt_state, params, x, y)
+      loss, grads = jmp_amp.scaled_value_and_grad(loss_of)(opt_state, params,
+                                                           x, y)
     else:
       loss, grads = jax.value_and_grad(loss_of)(params, x, y)
     updates, opt_state = opt.update(grads, opt_state, params)
@@ -77,7 +78,8 @@ def float32_losses():
 
 @pytest.mark.parametrize("how", sorted(LOSSES))
 def test_fp16_mlp_follows_the_float32_loss(how, float32_losses):
-  opt = jmp_amp.loss_scaling(optax.adam(3e-3), jmp_amp.DynamicLossScale(2.0**15))
+  opt = jmp_amp.loss_scaling(optax.adam(3e-3),
+                             jmp_amp.DynamicLossScale(2.0**15))
   losses, opt_state = train(LOSSES[how], opt, scaled=True)
   np.testing.assert_allclose(losses, float32_losses, rtol=RTOL)
   assert losses[-1] < 0.6 * losses[0], losses  # it trains
@@ -88,7 +90,8 @@ def test_fp16_mlp_follows_the_float32_loss(how, float32_losses):
 
 @pytest.mark.parametrize("how", sorted(LOSSES))
 def test_every_matmul_of_the_step_is_float16(how):
-  opt = jmp_amp.loss_scaling(optax.adam(3e-3), jmp_amp.DynamicLossScale(2.0**15))
+  opt = jmp_amp.loss_scaling(optax.adam(3e-3),
+                             jmp_amp.DynamicLossScale(2.0**15))
   model, (x, y) = mlp(), regression_batch()
   opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
   step = make_step(LOSSES[how], opt, scaled=True)  # an equinox.filter_jit
@@ -104,7 +107,8 @@ def test_every_matmul_of_the_step_is_float16(how):
 @pytest.mark.parametrize("how", sorted(LOSSES))
 def test_an_overflow_step_is_skipped_exactly(how):
   # At 2**30 the scaled float16 cotangents overflow; the loss itself is finite.
-  opt = jmp_amp.loss_scaling(optax.adam(3e-3), jmp_amp.DynamicLossScale(2.0**30))
+  opt = jmp_amp.loss_scaling(optax.adam(3e-3),
+                             jmp_amp.DynamicLossScale(2.0**30))
   step = make_step(LOSSES[how], opt, scaled=True)
   model, (x, y) = mlp(), regression_batch()
   opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
@@ -156,7 +160,8 @@ def test_gpu_report_of_a_module_step_donates_the_module():
 
   def sgd_step(model, x):
     grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-    return eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
+    return eqx.apply_updates(
+        model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
 
   kept = jmp_amp.gpu_report(sgd_step, model, x)
   donated = jmp_amp.gpu_report(sgd_step, model, x, donate_argnums=0)

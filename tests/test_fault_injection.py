@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import tree_bytes_equal
 import jmp_amp
 from jmp_amp import testing as jt
-from helpers import tree_bytes_equal
 import reliability_helpers as rh
 
 NUM_STEPS = 1000
@@ -141,7 +141,8 @@ def test_inject_nonfinite_only_on_fault_steps(small_params):
     n_bad = sum(int(jnp.sum(~jnp.isfinite(x)))
                 for x in jax.tree_util.tree_leaves(bad))
     n_changed = sum(int(jnp.sum(x != y)) for x, y in zip(
-        jax.tree_util.tree_leaves(bad), jax.tree_util.tree_leaves(small_params)))
+        jax.tree_util.tree_leaves(bad),
+        jax.tree_util.tree_leaves(small_params)))
     assert n_bad == 1 and n_changed == 1
 
 

@@ -409,6 +409,7 @@ def test_margin_is_honoured_and_costs_bits(scaling):
     assert _rel(y, x @ w) < 0.15
 
 
+@pytest.mark.slow
 def test_rowwise_rule_for_a_convolution_is_refused_by_set_policies():
   class Net(nnx.Module):
     def __init__(self, rngs):
@@ -1017,6 +1018,7 @@ def _jit_options_of_steps(model_rules, autocast=None, **step_kwargs):
   return options
 
 
+@pytest.mark.slow
 def test_make_train_step_compiles_fp8_gemms_with_triton_gemms_off():
   # On a real H200 XLA's autotuner spent 50-120 s timing Triton kernels for
   # FP8 GEMMs and then chose cuBLAS for all of them; FP8 steps skip that.

@@ -43,6 +43,7 @@ def test_bad_size_and_mode_name_the_choices():
     gpt_bench.build_step("bf32", "cpu")
 
 
+@pytest.mark.bench
 def test_cpu_step_trains_and_times():
   row = gpt_bench.time_jax("mixed_bfloat16", "cpu", steps=2, warmup=1)
   assert row["name"] == "jax mixed_bfloat16" and row["ms_per_step"] > 0
@@ -59,6 +60,7 @@ def test_torch_rows_without_torch_say_why(monkeypatch):
   assert rows == [] and why.startswith("torch is not importable")
 
 
+@pytest.mark.bench
 def test_torch_gpt_is_the_same_model_and_runs_eager_on_cpu():
   pytest.importorskip("torch")
   assert gpt_bench.torch_param_count("cpu") == gpt_bench.matmul_params("cpu")

@@ -99,9 +99,11 @@ def test_str_carries_the_label_and_figures():
 
 
 def test_bad_target_and_gemm_names():
-  with pytest.raises(ValueError, match=r"target must be one of 'h100'; got 'a100'"):
+  with pytest.raises(ValueError,
+                     match=r"target must be one of 'h100'; got 'a100'"):
     jmp_amp.gpu_report(lambda x: x, 1.0, target="a100")
-  with pytest.raises(ValueError, match=r"gemm must be one of 'default', 'cublas'; got 'x'"):
+  with pytest.raises(ValueError,
+                     match=r"gemm must be one of 'default', 'cublas'; got 'x'"):
     gpu_target.compile_for_gpu(lambda x: x, 1.0, gemm="x")
 
 

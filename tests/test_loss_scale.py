@@ -154,11 +154,13 @@ def test_adjust_keeps_leaf_types_stable():
   for ls in (jmp_amp.DynamicLossScale(2.0**15),
              jmp_amp.DynamicLossScale(jnp.asarray(2.0**15))):
     nxt = ls.adjust(jnp.bool_(False))
-    for a, b in zip(jax.tree_util.tree_leaves(ls), jax.tree_util.tree_leaves(nxt)):
+    for a, b in zip(jax.tree_util.tree_leaves(ls),
+                    jax.tree_util.tree_leaves(nxt)):
       assert jnp.asarray(a).dtype == jnp.asarray(b).dtype
 
 
-@pytest.mark.parametrize("cls", [jmp_amp.StaticLossScale, jmp_amp.DynamicLossScale])
+@pytest.mark.parametrize("cls", [jmp_amp.StaticLossScale,
+                                 jmp_amp.DynamicLossScale])
 def test_scale_unscale_round_trip(cls):
   ls = cls(2.0**10)
   tree = {"a": jnp.array([1.5, -3.0]), "b": jnp.array(0.25)}
@@ -178,22 +180,31 @@ def test_noop_and_static_have_no_leaves_and_do_not_adjust():
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: jmp_amp.DynamicLossScale(0.0), "loss_scale must be a finite number > 0, got 0.0"),
+    (lambda: jmp_amp.DynamicLossScale(0.0),
+     "loss_scale must be a finite number > 0, got 0.0"),
     (lambda: jmp_amp.DynamicLossScale(-2.0), "got -2.0"),
     (lambda: jmp_amp.DynamicLossScale(jnp.float32(jnp.inf)), "got inf"),
     (lambda: jmp_amp.DynamicLossScale(jnp.float32(jnp.nan)), "got nan"),
     (lambda: jmp_amp.StaticLossScale(0), "StaticLossScale.loss_scale must be"),
     (lambda: jmp_amp.StaticLossScale(-1.0), "got -1.0"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, period=0), "period must be an integer >= 1, got 0"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, period=2.5), "period must be an integer"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, factor=1), "factor must be a finite number > 1, got 1"),
+    (lambda: jmp_amp.DynamicLossScale(8.0, period=0),
+     "period must be an integer >= 1, got 0"),
+    (lambda: jmp_amp.DynamicLossScale(8.0, period=2.5),
+     "period must be an integer"),
+    (lambda: jmp_amp.DynamicLossScale(8.0, factor=1),
+     "factor must be a finite number > 1, got 1"),
     (lambda: jmp_amp.DynamicLossScale(8.0, factor=0.5), "factor must be"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, backoff_factor=1.0), r"backoff_factor must be in \(0, 1\)"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, backoff_factor=0.0), "backoff_factor"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, min_loss_scale=-1.0), "min_loss_scale must be"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, min_loss_scale=64.0, max_loss_scale=32.0),
+    (lambda: jmp_amp.DynamicLossScale(8.0, backoff_factor=1.0),
+     r"backoff_factor must be in \(0, 1\)"),
+    (lambda: jmp_amp.DynamicLossScale(8.0, backoff_factor=0.0),
+     "backoff_factor"),
+    (lambda: jmp_amp.DynamicLossScale(8.0, min_loss_scale=-1.0),
+     "min_loss_scale must be"),
+    (lambda: jmp_amp.DynamicLossScale(8.0, min_loss_scale=64.0,
+                                      max_loss_scale=32.0),
      r"min_loss_scale \(64.0\) must not exceed max_loss_scale \(32.0\)"),
-    (lambda: jmp_amp.DynamicLossScale(8.0, hysteresis=0), "hysteresis must be an integer >= 1"),
+    (lambda: jmp_amp.DynamicLossScale(8.0, hysteresis=0),
+     "hysteresis must be an integer >= 1"),
 ])
 def test_bad_hyper_parameters_raise_clear_errors(make, message):
   with pytest.raises(ValueError, match=message):
@@ -215,14 +226,16 @@ def test_dynamic_loss_scale_is_a_frozen_dataclass():
   assert dataclasses.replace(ls, period=3) == ls.replace(period=3)
   with pytest.raises(ValueError, match="period must be an integer >= 1, got 0"):
     dataclasses.replace(ls, period=0)
-  with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+  with pytest.raises(ValueError,
+                     match="loss_scale must be a finite number > 0"):
     dataclasses.replace(ls, loss_scale=np.float32(np.inf))
   # jmp users replace the scale of a state; the counter comes along.
   moved = dataclasses.replace(ls.adjust(jnp.bool_(True)),
                               loss_scale=jnp.float32(4.0))
   assert (float(moved.loss_scale), int(moved.counter)) == (4.0, 1)
   static = jmp_amp.StaticLossScale(2.0)
-  assert dataclasses.replace(static, loss_scale=4) == jmp_amp.StaticLossScale(4.0)
+  assert (dataclasses.replace(static, loss_scale=4)
+          == jmp_amp.StaticLossScale(4.0))
   with pytest.raises(ValueError, match="StaticLossScale.loss_scale"):
     dataclasses.replace(static, loss_scale=0)
 
@@ -290,7 +303,8 @@ def test_eq_is_python_bool_outside_jit_and_array_inside():
   with pytest.raises(TypeError, match="needs concrete values"):
     jax.jit(lambda x, y: x == y)(a, b)
   # Static fields differ: that is known under jit too.
-  assert jax.jit(lambda x: jnp.bool_(x == x.replace(period=7)))(a).item() is False
+  same = jax.jit(lambda x: jnp.bool_(x == x.replace(period=7)))(a)
+  assert same.item() is False
   assert (jmp_amp.NoOpLossScale() == jmp_amp.NoOpLossScale()) is True
 
 
@@ -359,7 +373,8 @@ def test_broken_scale_built_under_jit_is_reset_to_the_floor(bad):
   for finite in (True, False):
     broken, ls = build_and_step(jnp.float32(bad), jnp.bool_(finite))
     assert (float(ls.loss_scale), int(ls.counter)) == (2.0, 0)
-    with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+    with pytest.raises(ValueError,
+                       match="loss_scale must be a finite number > 0"):
       broken.validate()
     # From the floor it grows back as usual.
     for _ in range(4):
@@ -395,7 +410,8 @@ def test_validate_checks_overflows_and_static():
   bad = jax.tree_util.tree_map(lambda x: x, ls)
   bad = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ls),
                                      [ls.loss_scale, ls.counter, np.int32(2)])
-  with pytest.raises(ValueError, match=r"overflows must be an integer scalar in "
+  with pytest.raises(ValueError,
+                     match=r"overflows must be an integer scalar in "
                      r"\[0, 2\), got 2"):
     bad.validate()
   assert jmp_amp.NoOpLossScale().validate() == jmp_amp.NoOpLossScale()
@@ -407,5 +423,5 @@ def test_validate_checks_overflows_and_static():
                                    np.int64(2**20), jnp.bfloat16(2.0**100)])
 def test_float32_normal_range_is_accepted(value):
   assert float(jmp_amp.StaticLossScale(value).loss_scale) == float(value)
-  assert float(jmp_amp.DynamicLossScale(value, min_loss_scale=0).loss_scale) == (
-      pytest.approx(float(value), rel=1e-7))
+  dynamic = jmp_amp.DynamicLossScale(value, min_loss_scale=0)
+  assert float(dynamic.loss_scale) == pytest.approx(float(value), rel=1e-7)

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import warnings
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -40,13 +40,15 @@ def jmp_amp_scales(loss_scale, finite):
 
 
 # The README's table, one entry per library: settings -> jmp_amp equivalent.
-def torch_equivalent(s):   # GradScaler(s, growth_factor=2, backoff_factor=.5, growth_interval=N)
+# GradScaler(s, growth_factor=2, backoff_factor=.5, growth_interval=N)
+def torch_equivalent(s):
   return jmp_amp.DynamicLossScale(s["init_scale"], period=s["interval"],
                                   factor=2, backoff_factor=0.5,
                                   min_loss_scale=0.0)
 
 
-def keras_equivalent(s):   # LossScaleOptimizer(initial_scale=s, dynamic_growth_steps=N)
+# LossScaleOptimizer(initial_scale=s, dynamic_growth_steps=N)
+def keras_equivalent(s):
   return jmp_amp.DynamicLossScale(s["init_scale"], period=s["interval"],
                                   factor=2, backoff_factor=0.5,
                                   min_loss_scale=0.0)

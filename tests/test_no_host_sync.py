@@ -68,7 +68,9 @@ def _scale_history(metrics):
 SKIP_WITH = ["auto", "cond", "select"]
 
 
-@pytest.mark.parametrize("skip_with", SKIP_WITH)
+@pytest.mark.parametrize("skip_with", [
+    s if s == "auto" else pytest.param(s, marks=pytest.mark.slow)
+    for s in SKIP_WITH])
 def test_plain_jax_step_no_transfers_one_compile(skip_with):
   # bfloat16 compute: no overflow of its own, so skipped steps are exactly
   # the injected faults however high the scale grows.

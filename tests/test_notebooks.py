@@ -1,15 +1,17 @@
-"""Executes every notebook in notebooks/ top to bottom; each ends with a cell of asserts.
+"""Executes every notebook in notebooks/ top to bottom; each ends with a cell
+of asserts.
 
-The notebooks are stored executed (tests/execute_notebooks.py writes them); this test runs
-them again in memory with the same code, in a kernel of the interpreter running the tests with
-this checkout first on the path, and never writes them back.
+The notebooks are stored executed (tests/execute_notebooks.py writes them);
+this test runs them again in memory with the same code, in a kernel of the
+interpreter running the tests with this checkout first on the path, and
+never writes them back.
 """
 
 import pathlib
 
 import pytest
 
-import execute_notebooks  # tests/execute_notebooks.py, which stores them executed
+import execute_notebooks  # stores them executed
 
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
@@ -62,7 +64,8 @@ def test_notebook_runs(path, jupyter_path):
     pytest.fail(f"{path.name} failed:\n{e}", pytrace=False)
   assert not _outputs(nb, "error"), [
       f"{e['ename']}: {e['evalue']}" for e in _outputs(nb, "error")]
-  # The last code cell holds the notebook's asserts; it must have run to its end.
+  # The last code cell holds the notebook's asserts; it must have run to its
+  # end.
   last = [cell for cell in nb.cells if cell.cell_type == "code"][-1]
   assert "assert" in last.source
   printed = "".join(out.get("text", "") for out in last.get("outputs", [])

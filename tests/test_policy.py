@@ -26,13 +26,10 @@ def test_policy_is_frozen_hashable_and_static_for_jit():
     policy.compute_dtype = jnp.float16  # type: ignore[misc]
   assert hash(policy) == hash(jmp_amp.get_policy("p=f32,c=bf16,o=f32"))
 
-  @jax.jit
-  def f(x, policy):
-    return policy.cast_to_compute(x)
-
   f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
   assert f(jnp.ones(2), policy).dtype == jnp.bfloat16
-  assert f(jnp.ones(2), policy.with_compute_dtype(jnp.float16)).dtype == jnp.float16
+  assert f(jnp.ones(2),
+           policy.with_compute_dtype(jnp.float16)).dtype == jnp.float16
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -162,7 +159,8 @@ def test_jmp_readme_recipe_runs():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from(FLOATS), st.sampled_from(FLOATS), st.sampled_from(FLOATS))
+@given(st.sampled_from(FLOATS), st.sampled_from(FLOATS),
+       st.sampled_from(FLOATS))
 def test_str_round_trips_through_get_policy(p, c, o):
   policy = jmp_amp.Policy(p, c, o)
   assert jmp_amp.get_policy(str(policy)) == policy
@@ -180,7 +178,8 @@ def test_with_methods_replace_one_field():
 _LEAVES = st.one_of(
     st.sampled_from(["float32", "float16", "bfloat16"]).map(
         lambda d: ("float", d)),
-    st.sampled_from(["int32", "int8", "uint8", "bool"]).map(lambda d: ("int", d)),
+    st.sampled_from(["int32", "int8", "uint8", "bool"]).map(
+        lambda d: ("int", d)),
     st.just(("key", None)),
     st.sampled_from([1.5, 3, "name", None]).map(lambda v: ("py", v)),
 )

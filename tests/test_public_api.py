@@ -1,4 +1,5 @@
-"""jmp_amp builds on public APIs only: an AST scan of every module in the package.
+"""jmp_amp builds on public APIs only: an AST scan of every module in the
+package.
 
 Flagged (issue 11): imports of or attribute access on ``jax._src``;
 underscore-prefixed modules or attributes of jax/jaxlib/flax/optax/chex/orbax
@@ -332,7 +333,8 @@ GOOD_SNIPPETS = [
     "import importlib\nm = importlib.import_module('json')",
     "def f(x):\n  return x.__class__.__name__",
     "from jmp_amp._src import tree\nfrom . import _common",
-    "import dataclasses\n@dataclasses.dataclass(frozen=True)\nclass A:\n  x: int\n"
+    "import dataclasses\n@dataclasses.dataclass(frozen=True)\n"
+    "class A:\n  x: int\n"
     "  def __post_init__(self):\n    object.__setattr__(self, 'x', 1)",
     "def f(obj):\n  obj.value = 3\n  return type(obj)",
     "import optax\nstate = optax.ScaleByAdamState\nx = optax.tree.zeros_like",

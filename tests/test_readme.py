@@ -12,7 +12,6 @@ import re
 
 import pytest
 
-import jmp_amp
 from jmp_amp._src import fp8 as fp8_lib
 from jmp_amp._src import policy as policy_lib
 from jmp_amp.tools.bench import workloads
@@ -49,6 +48,10 @@ def test_setup_has_two_commands_and_ci_runs_them_verbatim():
   ci = [line.strip() for line in
         (ROOT / ".ci" / "run").read_text().splitlines()]
   assert install in ci and test in ci, "ci must run the README's commands"
+  # And, each a step of its own, what command 2 leaves out, and the linter.
+  for line in (".venv/bin/python -m pytest -n 2 -q -m slow",
+               "-m bench", ".venv/bin/ruff check ."):
+    assert any(line in c for c in ci), line
 
 
 def test_extras_named_in_the_docs_exist_and_test_needs_no_torch():
@@ -149,8 +152,9 @@ def test_every_bench_mode_trains_with_a_policy_of_the_table():
 def test_float8_row_names_what_rules_and_autocast_accept():
   flax_nnx = pytest.importorskip("flax.nnx")
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
   from jmp_amp.models import MLP  # pylint: disable=g-import-not-at-top
+
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
   (row,) = [r for r in shown_policy_table("README.md") if "`float8`" in r]
   names = re.findall(r"`([^`]+)`", row.split("|")[1])
   assert names == list(fp8_lib.FP8_NAMES)

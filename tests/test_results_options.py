@@ -16,7 +16,8 @@ import pytest
 
 from jmp_amp.tools import gpu_target
 
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = (pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+           / "results")
 DEFAULT = gpu_target.label("h100", "default")
 
 

@@ -17,7 +17,9 @@ import optax
 import pytest
 
 import jmp_amp
-from reference_scenarios import SCENARIOS, regression_data, torch_run
+from reference_scenarios import regression_data
+from reference_scenarios import SCENARIOS
+from reference_scenarios import torch_run
 
 DATA = json.loads((pathlib.Path(__file__).parent / "data" /
                    "reference_trajectories.json").read_text())

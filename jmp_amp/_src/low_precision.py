@@ -226,13 +226,7 @@ def _next_seeds(key_data: jax.Array):
   """
   following, now = jax.random.split(jax.random.wrap_key_data(key_data))
   w0, w1 = jax.random.key_data(now).astype(jnp.uint32).reshape(-1)[:2]
-  # The barrier hands every leaf's kernel the two words as scalars. Without
-  # it XLA fuses the slicing into each kernel, so all of them read the same
-  # uint32[2] array, and its GPU multi-output fusion merges every leaf of a
-  # shape into one kernel (16 blocks' mu, nu and params: ~860 instructions),
-  # which its fusion passes take quadratic time over (issue #33).
-  return jax.random.key_data(following), jax.lax.optimization_barrier(
-      (w0, w1))
+  return jax.random.key_data(following), (w0, w1)
 
 
 class CompressedState(NamedTuple):

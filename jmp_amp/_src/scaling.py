@@ -57,21 +57,17 @@ class LossScalingState(NamedTuple):
   steps: jax.Array
 
 
-def _unscale(loss_scale: ls_lib.LossScale, grads, *, apart: bool = False):
+def _unscale(loss_scale: ls_lib.LossScale, grads):
   """Divides each gradient by the scale in (at least) float32, in its dtype.
 
   Complex gradients are unscaled too (both parts, by the real scale). The
   factor ``1/scale`` is broadcast once per shape and dtype, not once per leaf:
   a model's repeated layers share shapes, and every broadcast is an HLO
-  instruction for XLA to compile. With `apart`, the factor passes an
-  optimization barrier (the same value): XLA then cannot merge these
-  products with those of an unscale without it.
+  instruction for XLA to compile.
   """
   if isinstance(loss_scale, ls_lib.NoOpLossScale):
     return grads
-  barrier = jax.lax.optimization_barrier if apart else lambda x: x
-  inv = functools.cache(
-      lambda dtype: barrier(loss_scale.unscale(jnp.ones((), dtype))))
+  inv = functools.cache(lambda dtype: loss_scale.unscale(jnp.ones((), dtype)))
   inv_like = functools.cache(
       lambda shape, dtype: jax.lax.broadcast(inv(dtype), shape))
 
@@ -327,10 +323,7 @@ def loss_scaling(inner: optax.GradientTransformation,
     # that overflows (a scale below 1) counts as non-finite. The unscale fuses
     # into the check's reductions and, computed again inside `apply`, into the
     # optimizer's own kernels (one value, bit for bit, wherever it runs).
-    # Kept apart: merged into one, XLA writes it out as a kernel of its own
-    # per weight gradient for both to read (a 16-block GPT: 16 more H100
-    # kernels).
-    finite = _all_finite(_unscale(loss_scale, updates, apart=True))
+    finite = _all_finite(_unscale(loss_scale, updates))
     if check_loss:
       finite &= all_finite(extra_args["value"])
     if axis_name is not None:

@@ -33,7 +33,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # for reference_scenarios
-from reference_scenarios import SCENARIOS, torch_run  # pylint: disable=g-import-not-at-top
+from reference_scenarios import SCENARIOS  # pylint: disable=g-import-not-at-top
+from reference_scenarios import torch_run  # pylint: disable=g-import-not-at-top
 
 
 def keras_run(scenario):

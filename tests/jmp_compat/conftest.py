@@ -27,6 +27,7 @@ def pytest_collection_modifyitems(items):
     if reason is None:
       # absl's parameterized names test_str0, test_str1, ...
       stripped = base.rstrip("0123456789")
-      reason = _EXPECTED_FAILURES.get(stripped) if stripped == "test_str" else None
+      reason = (_EXPECTED_FAILURES.get(stripped) if stripped == "test_str"
+                else None)
     if reason is not None:
       item.add_marker(pytest.mark.xfail(reason=reason, strict=True))

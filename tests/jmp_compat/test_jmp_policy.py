@@ -21,8 +21,9 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-import jmp_amp as jmp  # rewritten: jmp_amp is a drop-in for jmp
 import numpy as np
+
+import jmp_amp as jmp  # rewritten: jmp_amp is a drop-in for jmp
 
 HALF_DTYPES = (np.float16, jnp.float16, jnp.bfloat16)
 FULL_DTYPES = (np.float32, jnp.float32)

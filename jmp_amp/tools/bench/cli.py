@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
       prog="jmp-amp bench",
       description="Time float32 vs mixed precision training steps (the "
       "PyTorch AMP recipe) for jmp_amp, optionally next to PyTorch.")
-  parser.add_argument("--model", choices=sorted(workloads.BUILDERS), default="mlp")
-  parser.add_argument("--recipe", choices=sorted(workloads.RECIPES), default=None,
+  parser.add_argument("--model", choices=sorted(workloads.BUILDERS),
+                      default="mlp")
+  parser.add_argument("--recipe", choices=sorted(workloads.RECIPES),
+                      default=None,
                       help="preset sizes: 'small' (default for mlp, CPU), "
                       "'seed' (the PyTorch recipe: width 4096, batch 512, 50 "
                       "batches x 3 epochs), 'compute-bound' (width 8192, "

@@ -67,7 +67,8 @@ def row_from_report(name: str, report: gpu_target.GpuReport) -> dict[str, Any]:
   return row
 
 
-def mode_report(name: str, build: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
+def mode_report(name: str,
+                build: Callable[[dict[str, Any]], tuple[Any, Any, Any]],
                 target: str = "h100", gemm: str = "default") -> dict[str, Any]:
   """Compiles one mode's step for `target`; a JSON-friendly row.
 
@@ -166,7 +167,8 @@ def table(rows: list[dict[str, Any]]) -> list[list[str]]:
                 _percent(r.get("fp8_gemm_flops")),
                 f"{r['kernels']}", _mib(r["temp_bytes"]),
                 _ratio(r["temp_bytes_vs_float32"]), _mib(r["argument_bytes"]),
-                _mib(r["bytes_estimate"]), _ratio(r["bytes_estimate_vs_float32"])])
+                _mib(r["bytes_estimate"]),
+                _ratio(r["bytes_estimate_vs_float32"])])
   return out
 
 

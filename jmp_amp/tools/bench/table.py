@@ -29,7 +29,8 @@ def add_ratios(runs: list[dict[str, Any]]) -> None:
   ``torch-float32`` row; a ratio is None where that baseline did not run.
   """
   base = {r["framework"]: r for r in runs
-          if r.get("status") == "ok" and r["mode"] in ("float32", "torch-float32")}
+          if r.get("status") == "ok"
+          and r["mode"] in ("float32", "torch-float32")}
   for r in runs:
     b = base.get(r.get("framework"))
     ok = r.get("status") == "ok" and b is not None
@@ -160,8 +161,8 @@ def wrap(text: str, width: int, indent: str = "") -> str:
                        break_long_words=False, break_on_hyphens=False)
 
 
-def legend(runs: list[dict[str, Any]], cfg: workloads.Config, shown: Sequence[str]
-           ) -> list[str]:
+def legend(runs: list[dict[str, Any]], cfg: workloads.Config,
+           shown: Sequence[str]) -> list[str]:
   """What each column is, and what each ratio is relative to."""
   torch_rows = any(r.get("framework") == "torch" for r in runs)
   vs_torch = " (torch rows: torch-float32's)" if torch_rows else ""

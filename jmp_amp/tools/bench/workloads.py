@@ -92,6 +92,28 @@ def _loss_scale_for(mode: dict[str, Any], init_scale: float):
   return jmp_amp.NoOpLossScale()
 
 
+# The XLA options `jmp_amp.flax.make_train_step` compiles a step that runs
+# FP8 GEMMs with (docs/benchmarks.md says why: on an H200 XLA's autotuner
+# timed Triton kernels for minutes, then chose cuBLAS for every FP8 GEMM).
+# The bench jits its steps itself, and compiles them as make_train_step
+# would (tests/test_bench.py holds the two to the same options).
+def step_compiler_options(model, autocast: Any = None,
+                          platform: Optional[str] = None
+                          ) -> Optional[dict[str, Any]]:
+  """The XLA options `make_train_step` compiles `model`'s step with on
+  `platform` (None: JAX's default backend): `jmp_amp.fp8.compiler_options`
+  when the step runs FP8 GEMMs (the model has FP8 layers, which hold an
+  `FP8Meta`, or `autocast` names FP8), else None."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  import jmp_amp.flax.fp8  # pylint: disable=g-import-not-at-top
+  fp8 = (isinstance(autocast, str)
+         and autocast.strip().lower() in ("float8", "fp8", "f8"))
+  if fp8 or jax.tree.leaves(nnx.state(model, jmp_amp.flax.fp8.FP8Meta)):
+    return jmp_amp.fp8.compiler_options(platform=platform) or None
+  return None
+
+
 def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
              tx: optax.GradientTransformation, init_scale: float = 2.0**15,
              example_args: Optional[tuple] = None):
@@ -106,8 +128,8 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
   steps.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   import jmp_amp.flax as jflax  # pylint: disable=g-import-not-at-top
-  from jmp_amp.flax import _step_parts  # pylint: disable=g-import-not-at-top
 
   if mode.get("policy") == "float8":
     # FP8 matmuls but the first and last, norms float32, the rest bf16.
@@ -129,8 +151,7 @@ def nnx_step(model, loss_of_output: Callable[..., Any], mode: dict[str, Any],
     return nnx.state((model, optimizer)), metrics
 
   # As make_train_step compiles it: Triton GEMMs off for FP8 GEMMs.
-  fp8 = _step_parts.has_fp8_gemms(model, mode.get("autocast"))
-  options = jmp_amp.fp8.compiler_options() if fp8 else None
+  options = step_compiler_options(model, mode.get("autocast"))
   return jax.jit(step, donate_argnums=0, compiler_options=options), state
 
 
@@ -155,6 +176,7 @@ def mlp_initial_weights(cfg: Config) -> list[tuple[np.ndarray, np.ndarray]]:
   The torch rows start from these, so both frameworks train the same weights.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import mlp as mlp_lib  # pylint: disable=g-import-not-at-top
   model = mlp_lib.MLP(cfg.width, cfg.width, num_layers=cfg.layers,
                       rngs=nnx.Rngs(cfg.seed))
@@ -164,6 +186,7 @@ def mlp_initial_weights(cfg: Config) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def build_mlp(mode: dict[str, Any], cfg: Config) -> Workload:
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import mlp as mlp_lib  # pylint: disable=g-import-not-at-top
 
   model = mlp_lib.MLP(cfg.width, cfg.width, num_layers=cfg.layers,
@@ -177,6 +200,7 @@ def build_mlp(mode: dict[str, Any], cfg: Config) -> Workload:
 
 def build_resnet(mode: dict[str, Any], cfg: Config) -> Workload:
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import data as data_lib  # pylint: disable=g-import-not-at-top
   from jmp_amp.models import resnet as resnet_lib  # pylint: disable=g-import-not-at-top
 
@@ -191,6 +215,7 @@ def build_resnet(mode: dict[str, Any], cfg: Config) -> Workload:
 
 def build_gpt(mode: dict[str, Any], cfg: Config) -> Workload:
   from flax import nnx  # pylint: disable=g-import-not-at-top
+
   from jmp_amp.models import data as data_lib  # pylint: disable=g-import-not-at-top
   from jmp_amp.models import gpt as gpt_lib  # pylint: disable=g-import-not-at-top
 
