@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import warnings
 from typing import Any, Callable, Optional, Sequence
+import warnings
 
 from flax import nnx
 import jax

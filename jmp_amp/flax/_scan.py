@@ -26,11 +26,12 @@ from typing import Any, Optional, Sequence
 from flax import nnx
 import numpy as np
 
+from jmp_amp.flax import _common
 from jmp_amp.flax import _fp8_op as fp8_op_lib
-from jmp_amp.flax import _norm_names
 from jmp_amp.flax import rules as rules_lib
 from jmp_amp.flax._paths import CONTAINERS as _CONTAINERS
 from jmp_amp.flax._paths import path_str
+
 _NORMS = tuple(c for c in rules_lib.NORM_CLASSES if issubclass(c, nnx.Module))
 
 
@@ -144,7 +145,7 @@ def resolve(ruleset: rules_lib.RuleSet, modules: Sequence[tuple[tuple, Any]],
   rules_lib.report_unmatched(ruleset, used,
                              list(stacks.candidates(modules).items()),
                              strict=strict, what=what)
-  _norm_names.warn_half_norms(
+  _common.warn_half_norms(
       [(path_str(p), m, resolved[p]) for p, m in modules], what)
   return resolved
 

@@ -78,7 +78,7 @@ from __future__ import annotations
 from jmp_amp.flax._fp8 import histories
 from jmp_amp.flax._fp8 import value_and_grad
 from jmp_amp.flax._fp8_op import FP8Meta
-from jmp_amp.flax._fp8_policy import FP8Policy
+from jmp_amp.flax._fp8_op import FP8Policy
 
 __all__ = (
     "FP8Meta",

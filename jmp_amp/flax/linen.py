@@ -54,13 +54,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 import warnings
 
-import flax.linen as nn
 from flax import traverse_util
+import flax.linen as nn
 import jax
 import numpy as np
 
 from jmp_amp.flax import _common
-from jmp_amp.flax import _norm_names
 from jmp_amp.flax import rules as rules_lib
 
 _EXTRA_METHODS: dict[type, tuple[str, ...]] = {nn.Embed: ("attend",)}
@@ -110,7 +109,7 @@ class _Plan:
       rules_lib.report_unmatched(
           ruleset, used, [("/".join(p), m) for p, m in modules.items()],
           strict=strict, what="the linen model")
-      _norm_names.warn_half_norms(
+      _common.warn_half_norms(
           [("/".join(p), modules[p], r) for p, r in self.resolved.items()],
           "the linen model")
 

@@ -75,8 +75,6 @@ from jmp_amp._src import ops
 from jmp_amp.flax import _common
 from jmp_amp.flax import _fp8 as fp8_lib
 from jmp_amp.flax import _fp8_op as fp8_op_lib
-from jmp_amp.flax import _fp8_policy as fp8_policy_lib
-from jmp_amp.flax import _fp8_select as fp8_select
 from jmp_amp.flax import _paths as owners_lib
 from jmp_amp.flax import _scan
 from jmp_amp.flax import rules as rules_lib
@@ -174,7 +172,7 @@ def set_policies(model: M, rules: Any, *, strict: bool = False,
   modules = _modules(model)
   resolved = _scan.resolve(ruleset, modules, strict=strict,
                            what=type(model).__name__)
-  fp8_paths = fp8_select.fp8_modules(model, ruleset, modules, resolved,
+  fp8_paths = fp8_lib.fp8_modules(model, ruleset, modules, resolved,
                                       example_args)
   problems = []
   for path, module in modules:
@@ -354,7 +352,7 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
   (they would promote the computation to the param dtype), and a module that
   a rule names directly for an output dtype it has no means to produce.
   """
-  fp8_policy = policy if isinstance(policy, fp8_policy_lib.FP8Policy) else None
+  fp8_policy = policy if isinstance(policy, fp8_op_lib.FP8Policy) else None
   if fp8_policy is not None:
     policy = fp8_policy.policy
   attrs = vars(module)

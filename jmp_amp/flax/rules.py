@@ -90,13 +90,13 @@ from flax import nnx
 import jmp_amp
 from jmp_amp import Policy
 from jmp_amp._src import fp8 as fp8_core
-from jmp_amp.flax import _fp8_policy as fp8_policy_lib
+from jmp_amp.flax import _fp8_op as fp8_op_lib
 from jmp_amp.flax._paths import compile_pattern
 
 DEFAULT_KEY = "*"
 ROOT_KEY = ""
 
-PolicyLike = Union[Policy, fp8_policy_lib.FP8Policy, str, None]
+PolicyLike = Union[Policy, fp8_op_lib.FP8Policy, str, None]
 RuleKey = Union[type, str]
 
 
@@ -206,7 +206,7 @@ def mixed_rules(compute: Any = "bfloat16", *, param: Any = "float32",
 
 
 def resolve_policy(key: Any, value: Any, *, fp8: bool = True
-                   ) -> Union[Policy, fp8_policy_lib.FP8Policy, None]:
+                   ) -> Union[Policy, fp8_op_lib.FP8Policy, None]:
   """A rule's value as a `Policy` or `FP8Policy` (None stays None).
 
   Args:
@@ -221,7 +221,7 @@ def resolve_policy(key: Any, value: Any, *, fp8: bool = True
   """
   if value is None or isinstance(value, Policy):
     return value
-  fp8_policy = fp8_policy_lib.as_fp8_policy(value, describe_key(key))
+  fp8_policy = fp8_op_lib.as_fp8_policy(value, describe_key(key))
   if fp8_policy is not None:
     if not fp8:
       raise ValueError(
@@ -261,7 +261,7 @@ _WILDCARDS = frozenset("*?[")
 class Rule:
   """One validated rule."""
   key: RuleKey
-  policy: Union[Policy, fp8_policy_lib.FP8Policy, None]
+  policy: Union[Policy, fp8_op_lib.FP8Policy, None]
   regex: Optional[re.Pattern]
   optional: bool
 
@@ -300,7 +300,7 @@ def validate_rules(rules: Any, *, fp8: bool = True) -> RuleSet:
       class nor a str.
     ValueError: a value is not a policy, or a pattern is malformed.
   """
-  if isinstance(rules, (Policy, str, fp8_policy_lib.FP8Policy,
+  if isinstance(rules, (Policy, str, fp8_op_lib.FP8Policy,
                         fp8_core.FP8Recipe)):
     rules = {DEFAULT_KEY: rules}
   if not isinstance(rules, Mapping):

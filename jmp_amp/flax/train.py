@@ -69,10 +69,10 @@ from jmp_amp._src.tree import where_tree
 from jmp_amp.flax import _capture
 from jmp_amp.flax import _fp8
 from jmp_amp.flax import _fp8_op
-from jmp_amp.flax import _step_checks
 from jmp_amp.flax import _step_parts
 from jmp_amp.flax import numerics as numerics_lib
 from jmp_amp.flax._step_parts import AutocastSpec
+
 
 class TrainState(train_state.TrainState):
   """`flax.training.train_state.TrainState` with a ``batch_stats`` field.
@@ -199,12 +199,12 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
     numerics_lib.grad_stats(None, {}, numerics)  # Checks `numerics` now.
 
   def step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
-    _step_checks.check_optimizer(optimizer)
+    _step_parts.check_optimizer(optimizer)
     # The FP8 amax histories are differentiated too: their "gradients" are
     # their new values, which value_and_grad writes into the model.
     diff = nnx.Any(wrt, _fp8_op.FP8Meta)
     graphdef, _, rest = nnx.split(model, diff, ...)
-    opt_state = _step_checks.optax_state(optimizer)
+    opt_state = _step_parts.optax_state(optimizer)
 
     seen = {}  # what the capture saw (at trace time)
 
@@ -237,7 +237,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
           model, grads, numerics,
           dataclasses.replace(seen["captured"], counts=counts))
     optimizer.update(model, grads)
-    metrics = _step_parts.step_metrics(_step_checks.optax_state(optimizer),
+    metrics = _step_parts.step_metrics(_step_parts.optax_state(optimizer),
                                        loss, aux, has_aux)
     if numerics is not None:
       metrics["numerics"] = stats
@@ -253,7 +253,7 @@ def make_train_step(loss_fn: Callable[[nnx.Module, Any], Any], *,
       step, donate=donate, compiler_options=compiler_options)
   if on_nonfinite is None:
     return run
-  return _step_checks.with_localiser(run, loss_fn, on_nonfinite,
+  return _step_parts.with_localiser(run, loss_fn, on_nonfinite,
                          replay_note="" if autocast is None else
                          "which does not apply autocast=")
 
@@ -272,10 +272,10 @@ def _jit_nnx_step(step: Callable[..., Any], *, donate: bool,
   jitted = fp8_compile.step_jit(
       pure, options=compiler_options, key=lambda graphdef, *_: graphdef,
       static_argnums=0, donate_argnums=(1,) if donate else ())
-  check_replicas = _step_checks.replica_check(_step_checks.optax_state)
+  check_replicas = _step_parts.replica_check(_step_parts.optax_state)
 
   def split(model, optimizer):
-    _step_checks.check_optimizer(optimizer)
+    _step_parts.check_optimizer(optimizer)
     return nnx.split((model, optimizer))
 
   @functools.wraps(step)
@@ -420,7 +420,7 @@ def make_linen_train_step(loss_fn: Callable[[Callable[..., Any], Any], Any],
                             donate_argnums=(0,) if donate else ())
   if jax.process_count() == 1:
     return jitted
-  check_replicas = _step_checks.replica_check(
+  check_replicas = _step_parts.replica_check(
       lambda state, batch: state.opt_state)
 
   @functools.wraps(step)
