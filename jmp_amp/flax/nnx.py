@@ -71,6 +71,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_amp._src import dtypes as dtypes_lib
 from jmp_amp._src import ops
 from jmp_amp.flax import _common
 from jmp_amp.flax import _fp8 as fp8_lib
@@ -367,7 +368,7 @@ def _apply(module: nnx.Module, policy: Any, *, cast_output: bool,
     set_knob("dtype", np.dtype(policy.compute_dtype))
   if _common.is_dtype_knob(attrs.get("param_dtype", _MISSING)):
     set_knob("param_dtype", np.dtype(policy.param_dtype))
-  if (policy.compute_dtype in _common.HALF
+  if (policy.compute_dtype in dtypes_lib.HALF_DTYPES
       and policy.output_dtype == np.dtype(np.float32)):
     for name, defaults, replacement in _MATMUL_KNOBS:
       if (name in attrs and any(attrs[name] is d for d in defaults)
