@@ -146,7 +146,7 @@ def test_llama_summary_gives_the_issues_ratios():
   assert got["llama float8-rowwise speed vs torchao-float8-rowwise"] is None
 
 
-@pytest.mark.slow  # a process per mode, each compiling: ~20-60 s a mode
+@pytest.mark.bench  # a process per mode, each compiling: ~20-60 s a mode
 def test_small_llama_modes_are_timed_and_their_largest_batch_found(tmp_path):
   modes = ["float32", "mixed_bfloat16", "mixed_bfloat16-state16",
            "mixed_bfloat16-telemetry"]
@@ -167,9 +167,7 @@ def test_small_llama_modes_are_timed_and_their_largest_batch_found(tmp_path):
   assert max(losses) - min(losses) < 0.05 * max(losses), losses
 
 
-@pytest.mark.slow  # a process per mode, each compiling: ~20-60 s a mode
-@pytest.mark.xfail(strict=True, reason="keep_first_last inside a scanned "
-                   "stack: fixed on branch h4-fp8")
+@pytest.mark.bench  # a process per mode, each compiling: ~20-60 s a mode
 def test_small_llama_fp8_modes_run_with_their_default_rules(tmp_path):
   code, result = _run(tmp_path, "--workloads", "llama", "--no-torch",
                       "--modes", "float8", "float8-rowwise")

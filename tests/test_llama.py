@@ -203,8 +203,6 @@ def test_fp8_default_keeps_the_first_and_last_matmul_bf16_unscanned():
       "float8")
 
 
-@pytest.mark.xfail(strict=True, reason="keep_first_last inside a scanned "
-                   "stack: fixed on branch h4-fp8")
 def test_fp8_default_works_on_the_scanned_llama():
   model = build()
   jmp_amp.flax.set_policies(model, "float8", example_args=(TOKENS,))
@@ -403,9 +401,7 @@ BLOCK_MODULES = ("attn", "attn/q", "attn/k", "attn/v", "attn/o", "attn_norm",
 @pytest.mark.slow  # a train-step compile: ~15-40 s
 @pytest.mark.parametrize("scan", [
     True,
-    pytest.param(False, marks=pytest.mark.xfail(
-        strict=True, reason="telemetry through nnx.remat (issue 50): fixed "
-        "on branch h5-telemetry"))], ids=["scanned", "unscanned"])
+    False], ids=["scanned", "unscanned"])
 def test_telemetry_has_every_module_of_every_block(scan):
   model, opt = setup("mixed_bfloat16", scan=scan)
   step = jmp_amp.flax.make_train_step(loss_fn, numerics="**")
