@@ -282,9 +282,9 @@ def torch_rows(size: str = "gpu", modes: Sequence[str] = TORCH_MODES,
       net = copy.deepcopy(initial)
       if mode.startswith("torchao"):
         # pylint: disable-next=g-import-not-at-top
-        from torchao.float8 import Float8LinearConfig
         # pylint: disable-next=g-import-not-at-top
         from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig
         convert_to_float8_training(
             net, config=Float8LinearConfig.from_recipe_name(
                 mode.rsplit("-", 1)[1]),

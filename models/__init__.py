@@ -15,22 +15,22 @@ so precision policies can be applied from outside.
 
 from . import data
 from .convert import linen_variables_from_nnx
-from .gpt import GPT
 from .gpt import Block as GPTBlock
 from .gpt import CausalSelfAttention
-from .gpt import MLPBlock
+from .gpt import GPT
 from .gpt import lm_loss
+from .gpt import MLPBlock
 from .llama import Llama
 from .llama import LlamaConfig
+from .mlp import linen_params_from_nnx
 from .mlp import LinenMLP
 from .mlp import MLP
-from .mlp import linen_params_from_nnx
 from .mlp import mse_loss
 from .resnet import BasicBlock
+from .resnet import cross_entropy_loss
 from .resnet import LinenBasicBlock
 from .resnet import LinenResNet
 from .resnet import ResNet
-from .resnet import cross_entropy_loss
 
 __all__ = [
     "BasicBlock", "CausalSelfAttention", "GPT", "GPTBlock", "LinenBasicBlock",

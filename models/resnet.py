@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import flax.linen as nn
 from flax import nnx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax

@@ -84,13 +84,15 @@ if ARGS.num_processes > 1:
 from flax import nnx
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
 import jmp_amp
-import jmp_amp.flax
 from jmp_amp import models
+import jmp_amp.flax
 
 FAULT_STEPS = (1, 4)
 PER_DEVICE_BATCH = 2

@@ -35,16 +35,17 @@ import inspect
 from flax import nnx
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 import jmp_amp
-import jmp_amp.flax
 from jmp_amp import checkpoint
 from jmp_amp import models
+import jmp_amp.flax
 import jmp_amp.numerics
 
 reshard = jax.sharding.reshard

@@ -263,15 +263,16 @@ def main():
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   # pylint: disable=g-import-not-at-top,global-statement
   global jax, jnp, np, nnx, P, AxisType, jmp_amp
+  from flax import nnx
   import jax
   import jax.numpy as jnp
   from jax.sharding import AxisType
   from jax.sharding import PartitionSpec as P
+  import jmp_amp.models
   import numpy as np
-  from flax import nnx
+
   import jmp_amp
   import jmp_amp.flax
-  import jmp_amp.models
   results = {"devices": jax.device_count()}
   if jax.device_count() != NUM_DEVICES:
     print(json.dumps(results))

@@ -18,7 +18,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 

@@ -42,7 +42,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
@@ -300,8 +302,9 @@ def check_finite_check(results, mesh):
 
 def check_fp8(results, mesh):
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
+
   from jmp_amp import models  # pylint: disable=g-import-not-at-top
+  import jmp_amp.flax  # pylint: disable=g-import-not-at-top
 
   model = models.MLP(16, 4, num_layers=3, width=32, rngs=nnx.Rngs(0))
   jmp_amp.flax.set_policies(model, jmp_amp.flax.fp8.FP8Policy(

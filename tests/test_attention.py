@@ -8,22 +8,20 @@ fixture test reads a recorded XLA:GPU program and always runs.
 """
 
 import functools
-import json
 import os
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jmp_amp.models import data as data_lib
+from jmp_amp.models import gpt as gpt_lib
 import numpy as np
 import optax
 import pytest
 
 import helpers
-
 import jmp_amp
 import jmp_amp.flax
-from jmp_amp.models import data as data_lib
-from jmp_amp.models import gpt as gpt_lib
 from jmp_amp.tools import gpu_target
 from jmp_amp.tools.bench import workloads
 

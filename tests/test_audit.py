@@ -8,15 +8,15 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 import pytest
 
 import jmp_amp
 from jmp_amp import matmul_report
+from jmp_amp.tools import MatmulReport
 from jmp_amp.tools import report as report_lib
 from jmp_amp.tools.report import MatmulRecord
-from jmp_amp.tools import MatmulReport
 
 BF16 = jnp.bfloat16
 DN = (((1,), (0,)), ((), ()))  # plain (M, K) x (K, N) matmul

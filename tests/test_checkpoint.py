@@ -29,8 +29,8 @@ import numpy as np
 import optax
 import pytest
 
-import jmp_amp
 from helpers import tree_bytes_equal
+import jmp_amp
 import reliability_helpers as rh
 
 ocp = pytest.importorskip("orbax.checkpoint")

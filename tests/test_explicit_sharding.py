@@ -18,9 +18,9 @@ import optax
 import pytest
 
 import jmp_amp
-import jmp_amp.flax
 from jmp_amp import checkpoint
 from jmp_amp import models
+import jmp_amp.flax
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "explicit_sharding_check.py")

@@ -9,10 +9,11 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import pure
+from helpers import tree_bytes_equal
 import jmp_amp
 import jmp_amp.flax as jf
 from jmp_amp.flax.train import TrainState
-from helpers import pure, tree_bytes_equal
 import models
 import test_flax_models as tm
 

@@ -18,11 +18,11 @@ import pytest
 
 import helpers
 import jmp_amp
-import jmp_amp.flax
 from jmp_amp._src import dot_dims
 from jmp_amp._src import fp8
 from jmp_amp._src import fp8_compile
 from jmp_amp._src import fp8_ops
+import jmp_amp.flax
 from jmp_amp.flax import _fp8_op as fp8_layers
 from jmp_amp.flax import fp8 as flax_fp8
 import models
@@ -995,6 +995,7 @@ def _jit_options_of_steps(model_rules, autocast=None, **step_kwargs):
   it ran, compiling for CUDA: one MLP without and one with `model_rules`,
   trained by one step function."""
   from unittest import mock  # pylint: disable=g-import-not-at-top
+
   import jmp_amp.flax  # pylint: disable=g-import-not-at-top
   batch = (jnp.ones((4, 8)), jnp.zeros((4, 2)))
   options = []
@@ -1049,6 +1050,7 @@ def test_make_train_step_compiles_fp8_gemms_with_triton_gemms_off():
 def test_make_linen_train_step_reads_fp8_gemms_from_the_traced_step(
     autocast, fp8_gemms):
   from unittest import mock  # pylint: disable=g-import-not-at-top
+
   import jmp_amp.flax  # pylint: disable=g-import-not-at-top
   module = flax.linen.Dense(4)
   x, y = jnp.ones((8, 16)), jnp.zeros((8, 4))

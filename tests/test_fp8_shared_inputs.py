@@ -11,7 +11,6 @@ GEMM is merged away or not FP8. The CPU tests check that the layers are named
 in the program and that the numerics are the plain FP8 rounding's.
 """
 
-import functools
 
 from flax import nnx
 import jax
@@ -21,8 +20,8 @@ import pytest
 
 import helpers
 import jmp_amp
-import jmp_amp.flax
 from jmp_amp._src import fp8 as fp8_lib
+import jmp_amp.flax
 from jmp_amp.flax import fp8 as flax_fp8
 
 D = 64

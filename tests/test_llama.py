@@ -12,6 +12,10 @@ import functools
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jmp_amp.models import Llama
+from jmp_amp.models import llama as llama_lib
+from jmp_amp.models import LlamaConfig
+from jmp_amp.models import lm_loss
 import numpy as np
 import optax
 import pytest
@@ -20,10 +24,6 @@ import helpers
 import jmp_amp
 import jmp_amp.flax
 import jmp_amp.numerics
-from jmp_amp.models import Llama
-from jmp_amp.models import LlamaConfig
-from jmp_amp.models import lm_loss
-from jmp_amp.models import llama as llama_lib
 
 CONFIG = LlamaConfig.preset("tiny")
 LAYERS = CONFIG.num_layers

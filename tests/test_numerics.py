@@ -22,11 +22,11 @@ import optax
 import pytest
 
 import jmp_amp
+from jmp_amp import models
 import jmp_amp.flax
 import jmp_amp.flax.numerics as fnum
 import jmp_amp.numerics
 import jmp_amp.testing
-from jmp_amp import models
 
 F16_RULES = jmp_amp.flax.mixed_rules("float16")
 OP = {"overflow": "mul", "nan": "div"}

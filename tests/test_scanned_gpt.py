@@ -5,11 +5,11 @@ loss scaling, 16-bit optimizer state, FP8 (per-layer amax histories stacked
 like the params), telemetry and checkpoints.
 """
 
-import functools
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jmp_amp.models import gpt
 import numpy as np
 import optax
 import pytest
@@ -18,7 +18,6 @@ import helpers
 import jmp_amp
 import jmp_amp.flax
 import jmp_amp.flax.numerics
-from jmp_amp.models import gpt
 
 LAYERS = 3
 CONFIG = dict(vocab_size=64, d_model=32, num_heads=2, num_layers=LAYERS,

@@ -356,6 +356,7 @@ def test_autocast_of_a_step_with_half_outputs_warns_about_master_weights():
 
 def test_linen_layer_with_an_explicit_dtype_is_named_in_a_warning():
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
   import jmp_amp.flax  # pylint: disable=import-outside-toplevel
 
   class Net(nn.Module):

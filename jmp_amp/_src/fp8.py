@@ -63,8 +63,8 @@ import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_amp._src import dtypes as dtypes_lib

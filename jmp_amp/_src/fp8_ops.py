@@ -29,8 +29,8 @@ import functools
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_amp._src import dot_dims

@@ -33,7 +33,6 @@ import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
 
-
 MODULE_MARK = "@"
 
 # Sub-jaxpr params of the call-like primitives entered on the way down.

@@ -411,9 +411,9 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
       dtypes = sorted({str(jnp.result_type(p)) for p in leaves})
       warnings.warn(
           f"{who}: every param is {' or '.join(dtypes)} ({len(leaves)} "
-          "arrays), so it changes nothing; store the params in bfloat16 (jmp_amp.flax: "
-          "mixed_rules(..., param=\"bfloat16\"), or a policy with "
-          "p=bf16) or leave low_precision_params out", stacklevel=2)
+          "arrays), so it changes nothing; store the params in bfloat16 "
+          "(jmp_amp.flax: mixed_rules(..., param=\"bfloat16\"), or a "
+          "policy with p=bf16) or leave low_precision_params out", stacklevel=2)
     if rounding != "kahan":
       return LowPrecisionParamsState(key=key0, compensation=())
     return LowPrecisionParamsState(key=key0, compensation=jax.tree.map(

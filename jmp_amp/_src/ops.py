@@ -20,8 +20,8 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_amp._src.dtypes import HALF_DTYPES

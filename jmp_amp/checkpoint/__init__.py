@@ -12,9 +12,9 @@ run*, and refuses anything else:
 * restore checks the target against what was saved -- tree structure, shapes,
   dtypes, the optimizer state's types (Adam is not AdaBelief, though both
   hold ``count / mu / nu``), loss-scale hyper-parameters, FP8 recipes and
-  the step -- and raises a `CheckpointError` naming every mismatch. Orbax alone would silently
-  cast float32 params into a bfloat16 target, or restore a scale into a loss
-  scale with a new period;
+  the step -- and raises a `CheckpointError` naming every mismatch. Orbax
+  alone would silently cast float32 params into a bfloat16 target, or
+  restore a scale into a loss scale with a new period;
 * restore verifies every array against its checksum, the restored loss scales
   (finite, > 0) and FP8 amax histories (finite, >= 0); damaged files raise
   a `CheckpointError` naming the step and the array or file, never changed

@@ -9,7 +9,6 @@ from typing import Optional
 
 from jax.extend.mlir import ir
 
-
 if hasattr(ir, "NameLoc"):
   _LOCATION_KINDS = (("name", ir.NameLoc), ("callsite", ir.CallSiteLoc),
                      ("fused", ir.FusedLoc), ("file", ir.FileLineColLoc))

@@ -34,8 +34,8 @@ from jax.extend.mlir.dialects import stablehlo
 
 from jmp_amp.tools import element_types
 from jmp_amp.tools import fused_attention
-from jmp_amp.tools import mlir_locations
 from jmp_amp.tools import hlo_text
+from jmp_amp.tools import mlir_locations
 
 Shape = tuple[Optional[int], ...]
 # Frames of this package are not user code (see `_pick_frame`).

@@ -16,9 +16,9 @@ import functools
 from typing import Optional, Sequence, Union
 
 from jax import lax
-from jax.lax import linalg as lax_linalg
 import jax.extend.core as jex_core
 from jax.extend.core import primitives as jex_primitives
+from jax.lax import linalg as lax_linalg
 
 from jmp_amp._src.autocast import structural
 
