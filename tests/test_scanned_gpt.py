@@ -282,7 +282,9 @@ def test_telemetry_per_block_matches_the_unscanned_model(policy, rtol, atol):
 
 @pytest.mark.parametrize("policy", [
     pytest.param("mixed_bfloat16", marks=pytest.mark.slow),
-    jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(), keep_first_last=False)],
+    pytest.param(jmp_amp.flax.fp8.FP8Policy(jmp_amp.fp8.FP8Recipe(),
+                                            keep_first_last=False),
+                 marks=pytest.mark.slow)],
     ids=["bf16", "fp8"])
 def test_a_scanned_steps_telemetry_has_an_entry_per_block(policy):
   """Each block of a stack has its own entries, alike at any depth."""
