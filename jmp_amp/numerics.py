@@ -54,12 +54,16 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, backward: bool = True,
   Runs outside `jit`, one primitive at a time: roughly the cost of running
   `fn` and its VJP op by op without fusion (the first call also compiles
   each distinct primitive), plus one host check per equation. Meant for the
-  rare step that went non-finite. Sub-jaxprs (`jit`, `custom_jvp`, remat)
-  are entered; control flow (`cond`, `while`, `scan`) is one equation.
-  Module paths come from `jax.named_scope` scopes; for an NNX model, from
-  one jitted run under Flax's `nnx.capture`, which also names the module
-  inside an `nnx.remat` or `nnx.cond` and the block of a scanned stack
-  (``blocks/1/attn``, with the rule ``{"blocks/*/attn": "float32"}``).
+  rare step that went non-finite. Sub-jaxprs (`jit`, `custom_jvp`, remat),
+  the branch a `cond` takes and each iteration of a `scan` are entered; a
+  `while` is one equation. Module paths come from `jax.named_scope` scopes;
+  for an NNX model, from one jitted run under Flax's `nnx.capture`, which
+  also names the module inside an `nnx.remat` or `nnx.cond` and the block of
+  a scanned stack (``blocks/1/attn``). One program runs every block of a
+  stack, so the rule suggested there is for every block (``{"blocks/*/attn":
+  "float32"}``); if the model cannot run with it (its float32 output changes
+  the dtype of the scan's carry, a float16 residual stream), the report has
+  ``fixed=False`` and says why in ``reason``.
 
   A Flax model: ``find_nonfinite(loss_fn, model, batch)``, with an NNX
   model or a linen module (and its `variables`) as the first argument
@@ -116,7 +120,8 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, backward: bool = True,
     ``|x|`` among the operands), ``outputs`` (per output ``"inf"``,
     ``"nan"``, ``"inf+nan"`` or ``"finite"``), ``suggested_rule`` and
     ``fixed`` (Flax models: the rule and whether it removed every inf/NaN;
-    None: not verified), ``argument`` and, from ``on_nonfinite``, ``step``,
+    None: not verified), ``reason`` (why the model could not run with the
+    rule, else None), ``argument`` and, from ``on_nonfinite``, ``step``,
     ``loss_scale`` and ``repeats`` (how many steps in a row went
     non-finite); ``str(report)`` says it in words. An inf/NaN already in
     the arguments (a batch, a parameter, a BatchNorm statistic, an array

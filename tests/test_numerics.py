@@ -258,6 +258,26 @@ def test_enters_jit_and_custom_jvp():
   assert (r.primitive, r.direction) == ("exp", "forward")
 
 
+def test_enters_checkpoint_the_cond_branch_taken_and_each_scan_step():
+  # A user's rematerialised block, run by a scan and under a cond; the
+  # third step's product overflows float16.
+  @jax.checkpoint
+  def block(c, x):
+    with jax.named_scope("block"):
+      y = c * x
+    return y / 2, y
+
+  def f(xs, which):
+    run = lambda xs: jax.lax.scan(block, jnp.float16(1.0), xs)[1]
+    return jnp.sum(jax.lax.cond(which, run, lambda xs: xs, xs))
+
+  xs = jnp.array([300.0, 200.0, 400.0], jnp.float16)
+  r = jmp_amp.numerics.find_nonfinite(f, xs, True)
+  assert (r.primitive, r.direction, r.module) == ("mul", "forward", "block")
+  assert r.max_finite == 15000.0  # the carry at the third step
+  assert jmp_amp.numerics.find_nonfinite(f, xs, False) is None
+
+
 def test_find_nonfinite_rejects_non_callables():
   with pytest.raises(TypeError, match="takes a function"):
     jmp_amp.numerics.find_nonfinite(3.0, 1.0)

@@ -11,8 +11,8 @@ no culprit. Of the sources that reach the outputs, an input NaN comes first
 made an inf or NaN of finite values (an overflow), then an input inf (a mask
 whose ``-inf`` reaches the outputs), then an op that made a NaN of an inf.
 Sub-jaxprs (`jit`, `custom_jvp`, `checkpoint`, calls) are entered, so the
-culprit is a primitive; control flow (`cond`, `while`, `scan`) is evaluated
-as one equation.
+culprit is a primitive; so are the branch a `cond` takes and a `scan`'s body,
+one iteration after the other; a `while` is evaluated as one equation.
 
 Module paths come from the name stack: `jax.named_scope` scopes, which
 `jmp_amp.flax.numerics` puts around every Flax module call as ``@a.b.c``
@@ -40,7 +40,8 @@ _CALL_PARAMS = {
     "pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat": "jaxpr", "checkpoint": "jaxpr", "custom_lin": None,
+    "remat": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr",
+    "custom_lin": None,
 }
 _WRAPPER = re.compile(r"(\w+)\(")
 # Ops whose every output element depends on the same element of each
@@ -74,7 +75,11 @@ class NonFinite:
     suggested_rule: a policy rule ``{module path: "float32"}`` keeping the
       module in float32 (None without a module path).
     fixed: whether re-running with `suggested_rule` removed every inf/NaN
-      (None: not verified).
+      (None: not verified; False also when the rule could not be applied,
+      see `reason`).
+    reason: why `fixed` is False although the rule was not seen to fail:
+      re-running with it raised (say, a float32 output changed the dtype
+      of a scan's carry); else None.
     argument: for an ``"input"``: where the value sits, e.g.
       ``"args[1]['x']"``, ``"batch['image']"``, ``"params layers/0/kernel"``
       or ``"a constant captured by fn"``; else None.
@@ -99,6 +104,7 @@ class NonFinite:
   step: Optional[int] = None
   loss_scale: Optional[float] = None
   repeats: Optional[int] = None
+  reason: Optional[str] = None
 
   def __str__(self) -> str:
     where = repr(self.module) if self.module is not None else "<no module>"
@@ -127,7 +133,11 @@ class NonFinite:
     if self.suggested_rule is not None:
       verdict = {None: "not verified", True: "removes every inf/NaN",
                  False: "does NOT remove the inf/NaN"}[self.fixed]
+      if self.reason:
+        verdict = "could not be applied"
       lines.append(f"  suggested rule: {self.suggested_rule} ({verdict})")
+      if self.reason:
+        lines.append(f"  {self.reason}")
     return "\n".join(lines)
 
 
@@ -320,10 +330,40 @@ class _Walk:
       sub = _sub_jaxpr(eqn)
       if sub is not None:
         outs, outorig = self.eval(sub, invals, inorig, stack)
+      elif eqn.primitive.name == "scan" and eqn.params["length"]:
+        outs, outorig = self._scan(eqn, invals, inorig, stack)
+      elif eqn.primitive.name == "cond":
+        index = int(np.clip(np.asarray(invals[0]), 0,
+                            len(eqn.params["branches"]) - 1))
+        outs, outorig = self.eval(eqn.params["branches"][index], invals[1:],
+                                  inorig[1:], stack)
       else:
         outs, outorig = self._eqn(eqn, list(invals), inorig, stack)
       env.update(zip(eqn.outvars, zip(outs, outorig)))
     return tuple(zip(*map(read, jaxpr.outvars))) or ((), ())
+
+  def _scan(self, eqn, invals, inorig, stack) -> tuple[list, list]:
+    """A `scan`, its body evaluated one iteration after the other."""
+    params = eqn.params
+    consts = params["num_consts"]
+    split = consts + params["num_carry"]
+    carry, carry_orig = list(invals[consts:split]), list(inorig[consts:split])
+    ys, ys_orig = [], None
+    steps = range(params["length"])
+    for i in reversed(steps) if params["reverse"] else steps:
+      outs, outorig = self.eval(
+          params["jaxpr"], [*invals[:consts], *carry,
+                            *(x[i] for x in invals[split:])],
+          [*inorig[:consts], *carry_orig, *inorig[split:]], stack)
+      n = params["num_carry"]
+      carry, carry_orig = list(outs[:n]), list(outorig[:n])
+      ys.append(outs[n:])
+      ys_orig = outorig[n:] if ys_orig is None else [
+          a | b for a, b in zip(ys_orig, outorig[n:])]
+    if params["reverse"]:
+      ys.reverse()
+    stacked = [jnp.stack(y) for y in zip(*ys)]
+    return carry + stacked, carry_orig + list(ys_orig)
 
   def _eqn(self, eqn, invals, inorig, stack) -> tuple[list, list]:
     outs = eqn.primitive.bind(*invals, **eqn.params)
@@ -380,7 +420,9 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   Runs outside `jit`, one primitive at a time: roughly the cost of running
   `fn` and then ``jax.vjp(fn, *args)`` op by op without fusion (the first
   call also compiles each distinct primitive), plus one host check per
-  equation. Meant for the rare step that went non-finite.
+  equation. Meant for the rare step that went non-finite. The branch a
+  `cond` takes and each iteration of a `scan` are entered (a `while` is one
+  equation).
 
   Only an inf/NaN that reaches the outputs counts: one that a `where` or a
   softmax drops on the way (a ``-inf`` attention mask) is no culprit.

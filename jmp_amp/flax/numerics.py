@@ -471,7 +471,24 @@ def localise_model(model: Union[nnx.Module, nn.Module],
                              _fixed_rules(model, rules, *rule,
                                           own or report.module))
       g, p = _nnx_loss(clone, loss_fn, batch, loss_scale)
-    value, grads = jax.jit(jax.value_and_grad(g))(p)
+    try:
+      value, grads = jax.jit(jax.value_and_grad(g))(p)
+    except Exception as e:  # pylint: disable=broad-except
+      return dataclasses.replace(report, suggested_rule=rule, fixed=False,
+                                 reason=_unapplied(e))
     fixed = _all_finite((value, grads)) if backward else _all_finite(value)
   return dataclasses.replace(report, suggested_rule=rule,
                                       fixed=fixed)
+
+
+def _unapplied(error: Exception) -> str:
+  """Why the model could not run with the suggested rule."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  first = " ".join(lines[:2])
+  why = f"re-running with it failed: {type(error).__name__}: {first}"
+  if "carry" in first:
+    why += (" (a float32 output changes the dtype of the scan's carry, the "
+            "residual stream of a scanned stack: keep the carry in float32, "
+            "or cast the block's output to the carry's dtype in the scanned "
+            "function)")
+  return why
