@@ -132,11 +132,11 @@ def test_bench_steps_compile_with_make_train_steps_options(rules, autocast):
   opt = nnx.Optimizer(model, jmp_amp.loss_scaling(
       optax.sgd(0.1), jmp_amp.NoOpLossScale()), wrt=nnx.Param)
   # Compiled for CUDA as far as the options go (XLA:CPU ignores them).
-  with mock.patch.object(fp8_compile, "_platform", return_value="cuda"):
+  with mock.patch.object(fp8_compile, "_platform", return_value="cuda"), \
+       mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
     step = jmp_amp.flax.make_train_step(
         lambda m, b: models.mse_loss(m(b[0]), b[1]), autocast=autocast)
-    with mock.patch.object(jax, "jit", wraps=jax.jit) as spy:
-      step(model, opt, (jnp.ones((4, 8)), jnp.zeros((4, 2))))
+    step(model, opt, (jnp.ones((4, 8)), jnp.zeros((4, 2))))
   options = [c.kwargs["compiler_options"] for c in spy.call_args_list
              if "compiler_options" in c.kwargs]
   # The step that runs is the last one jitted.
