@@ -3,7 +3,11 @@ pythonpath)."""
 
 import functools
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -120,3 +124,20 @@ def benchmark(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def run_check_script(script, *args, timeout=900):
+  """The JSON of the last line a check script (tests/*_check.py) prints,
+  run in a process of its own on the CPU with the device count it sets
+  itself, importing this checkout's jmp_amp rather than an installed one."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the script sets its own device count
+  env["JAX_PLATFORMS"] = "cpu"
+  root = os.path.dirname(os.path.dirname(script))
+  env["PYTHONPATH"] = os.pathsep.join(
+      [root] + [p for p in [env.get("PYTHONPATH")] if p])
+  proc = subprocess.run([sys.executable, script, *args], capture_output=True,
+                        text=True, env=env, timeout=timeout,
+                        cwd=os.path.dirname(script))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,10 +6,7 @@ assert on the JSON it prints. One run serves the fast tests, another the
 slow ones.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 from flax import nnx
 import jax
@@ -17,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 import jmp_amp
 from jmp_amp import checkpoint
 from jmp_amp import models
@@ -37,17 +35,7 @@ TOLERANCE = {"bf16": 5e-3, "fp16_dynamic": 1e-4, "fp16_static": 1e-4,
 
 
 def _run_script(*args):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the script sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(SCRIPT))
-  env["PYTHONPATH"] = os.pathsep.join(
-      [root] + [p for p in [env.get("PYTHONPATH")] if p])
-  proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True,
-                        text=True, env=env, timeout=900,
-                        cwd=os.path.dirname(SCRIPT))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return helpers.run_check_script(SCRIPT, *args, timeout=900)
 
 
 @pytest.fixture(scope="module")

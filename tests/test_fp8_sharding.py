@@ -2,13 +2,12 @@
 in a subprocess: `fp8_sharding_check.py`); this file asserts on the JSON it
 prints (issue 51)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
+
+import helpers
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "fp8_sharding_check.py")
@@ -31,17 +30,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def results():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the script sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(SCRIPT))
-  env["PYTHONPATH"] = os.pathsep.join(
-      [root] + [p for p in [env.get("PYTHONPATH")] if p])
-  proc = subprocess.run([sys.executable, SCRIPT], capture_output=True,
-                        text=True, env=env, timeout=900,
-                        cwd=os.path.dirname(SCRIPT))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return helpers.run_check_script(SCRIPT, timeout=900)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

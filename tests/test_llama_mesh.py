@@ -14,13 +14,12 @@ check's ``RowsEmbed``; models/llama.py is unchanged). With it, every layout
 tried runs, the blocks' kernels split fsdp x tensor included.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
+
+import helpers
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "llama_mesh_check.py")
@@ -52,17 +51,7 @@ TOLERANCE = {"bf16/make_train_step": (3e-2, 2e-2),
 
 @pytest.fixture(scope="module")
 def results():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the script sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(SCRIPT))
-  env["PYTHONPATH"] = os.pathsep.join(
-      [root] + [p for p in [env.get("PYTHONPATH")] if p])
-  proc = subprocess.run([sys.executable, SCRIPT], capture_output=True,
-                        text=True, env=env, timeout=1500,
-                        cwd=os.path.dirname(SCRIPT))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  got = helpers.run_check_script(SCRIPT, timeout=1500)
   if "skipped" in got:  # flax 0.12.3
     pytest.skip(got["skipped"])
   return got

@@ -6,10 +6,10 @@ must be set before JAX initialises; this file asserts on the JSON it prints.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+import helpers
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "sharded_check.py")
@@ -17,18 +17,7 @@ TOLERANCE = 1e-5
 
 
 def _run_script():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the script sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
-  # The checkout under test, not whichever jmp_amp the venv has installed.
-  root = os.path.dirname(os.path.dirname(SCRIPT))
-  env["PYTHONPATH"] = os.pathsep.join(
-      [root] + [p for p in [env.get("PYTHONPATH")] if p])
-  proc = subprocess.run([sys.executable, SCRIPT], capture_output=True,
-                        text=True, env=env, timeout=300,
-                        cwd=os.path.dirname(SCRIPT))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return helpers.run_check_script(SCRIPT, timeout=300)
 
 
 @pytest.fixture(scope="module")
