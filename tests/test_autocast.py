@@ -12,7 +12,7 @@ import pytest
 
 from helpers import tree_bytes_equal
 import jmp_amp
-from jmp_amp._src.autocast import structural
+from jmp_amp._src.autocast import casting
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
@@ -251,7 +251,7 @@ def test_scan_carry_dtype_is_consistent():
 
 def _scan_carry_dtypes(jaxpr):
   scan = [e for e in eqns(jaxpr) if e.primitive.name == "scan"][0]
-  _, n_carry = structural._scan_counts(scan.params)
+  _, n_carry = casting.scan_counts(scan.params)
   return [v.aval.dtype for v in scan.outvars[:n_carry]]
 
 

@@ -33,6 +33,8 @@ import jax.extend.source_info_util as source_info_util
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_amp._src.autocast.casting import scan_counts
+
 MODULE_MARK = "@"
 
 # Sub-jaxpr params of the call-like primitives entered on the way down.
@@ -345,8 +347,8 @@ class _Walk:
   def _scan(self, eqn, invals, inorig, stack) -> tuple[list, list]:
     """A `scan`, its body evaluated one iteration after the other."""
     params = eqn.params
-    consts = params["num_consts"]
-    split = consts + params["num_carry"]
+    consts, n = scan_counts(params)
+    split = consts + n
     carry, carry_orig = list(invals[consts:split]), list(inorig[consts:split])
     ys, ys_orig = [], None
     steps = range(params["length"])
@@ -355,7 +357,6 @@ class _Walk:
           params["jaxpr"], [*invals[:consts], *carry,
                             *(x[i] for x in invals[split:])],
           [*inorig[:consts], *carry_orig, *inorig[split:]], stack)
-      n = params["num_carry"]
       carry, carry_orig = list(outs[:n]), list(outorig[:n])
       ys.append(outs[n:])
       ys_orig = outorig[n:] if ys_orig is None else [

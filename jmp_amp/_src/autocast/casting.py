@@ -117,3 +117,16 @@ def bind_as_traced(eqn, invals) -> list:
   """Runs `eqn` on its inputs cast back to the dtypes they were traced with."""
   return bind(eqn, [cast(x, v.aval.dtype) if is_float(v.aval.dtype) else x
                     for x, v in zip(invals, eqn.invars)])
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """(consts, carry) counts of a scan equation's inputs.
+
+  jax < 0.11 names them ``num_consts`` and ``num_carry``; later versions hold
+  the inputs' structure as ``ft_in`` = (consts, carry, xs), each iterating
+  over its leaves.
+  """
+  if "num_carry" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts)), len(list(carry))

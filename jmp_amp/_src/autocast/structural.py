@@ -24,6 +24,7 @@ from jmp_amp._src.autocast.casting import cast_all
 from jmp_amp._src.autocast.casting import dtype_of
 from jmp_amp._src.autocast.casting import is_float
 from jmp_amp._src.autocast.casting import join_dtypes
+from jmp_amp._src.autocast.casting import scan_counts
 from jmp_amp._src.autocast.casting import struct
 
 # Evaluates a Jaxpr or ClosedJaxpr on a list of values under the rules.
@@ -86,22 +87,9 @@ def _fixed_carry_dtypes(body: Callable[[list, list], list], init: list,
   raise AssertionError(f"carry dtypes did not settle: {carry_dtypes}")
 
 
-def _scan_counts(params) -> tuple[int, int]:
-  """(consts, carry) counts of a scan equation's inputs.
-
-  jax < 0.11 names them ``num_consts`` and ``num_carry``; later versions hold
-  the inputs' structure as ``ft_in`` = (consts, carry, xs), each iterating
-  over its leaves.
-  """
-  if "num_carry" in params:
-    return params["num_consts"], params["num_carry"]
-  consts, carry, _ = params["ft_in"].unpack()
-  return len(list(consts)), len(list(carry))
-
-
 def _scan(evaluate: Evaluate, eqn, invals) -> list:
   params = eqn.params
-  n_consts, n_carry = _scan_counts(params)
+  n_consts, n_carry = scan_counts(params)
   consts, init, xs = _split(invals, n_consts, n_carry)
 
   def step(carry, x):
