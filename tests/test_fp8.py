@@ -160,8 +160,7 @@ def test_delayed_scaling_uses_history_max_and_saturates_new_outliers():
   np.testing.assert_allclose(scale, 4.0 / 448.0, rtol=1e-7)
   np.testing.assert_array_equal(new_history, [100.0, 2.0, 4.0])
   back = fp8.qdq_operand(
-      dataclasses.replace(recipe, compute_dtype=jnp.float32), x, history,
-      jnp.float32(1.0))
+      dataclasses.replace(recipe, compute_dtype=jnp.float32), x, history)
   np.testing.assert_allclose(back, [4.0, -3.0, 1.0], rtol=2.0**-4)
   # The first step (empty history) uses the current amax, not scale 1.
   scale, new_history = fp8.scale_of(x, jnp.zeros((3,)), E4M3, recipe)

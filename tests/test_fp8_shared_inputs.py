@@ -1,16 +1,20 @@
-"""FP8 layers that share an input still run FP8 GEMMs on an H100 (#24).
+"""FP8 layers that share an input still run FP8 GEMMs on an H100 (#24, #48).
 
 The q/k/v projections of self-attention and the gate/up projections of a GLU
-read one activation. Quantised the same way, XLA merged the copies (CSE) and
-then the GEMMs into one bfloat16 GEMM, forward and in the weight gradient.
-Each FP8 matmul now quantises its operands as its own; these tests compile
-train steps for an H100 without a GPU (skipped without the CUDA plugin) and
-check, layer by layer, through the audit (`GpuReport.fp8_fallbacks`), that
-every FP8 layer's GEMMs are FP8 -- and that the audit flags a layer whose
-GEMM is merged away or not FP8. The CPU tests check that the layers are named
-in the program and that the numerics are the plain FP8 rounding's.
+read one activation. Under current scaling each quantises it the same way:
+XLA quantises it once and merges the GEMMs into one, an FP8 GEMM named after
+one of the layers. (With the old dequantised pattern the merged GEMM ran in
+bfloat16, and until #48 each matmul added a zero XLA could not fold to keep
+them apart.) These tests compile train steps for an H100 without a GPU
+(skipped without the CUDA plugin) and check through the audit
+(`GpuReport.fp8_fallbacks`) that every FP8 layer's GEMMs are FP8, merged or
+not -- and that the audit flags a layer whose GEMM is merged into a bfloat16
+one or is not FP8. The CPU tests check that the layers are named in the
+program and that the numerics are the plain FP8 rounding's.
 """
 
+
+import dataclasses
 
 from flax import nnx
 import jax
@@ -23,6 +27,7 @@ import jmp_amp
 from jmp_amp._src import fp8 as fp8_lib
 import jmp_amp.flax
 from jmp_amp.flax import fp8 as flax_fp8
+import jmp_amp.tools
 
 D = 64
 FP8_LAYERS = ["attn/query", "attn/key", "attn/value", "attn/out", "gate",
@@ -129,20 +134,21 @@ def test_fp8_matmuls_of_one_signature_share_one_trace(scaling):
   assert all(sum(layers[l].values()) == 3 for l in ("l1", "l2")), layers
 
 
-def _untied_qdq(x, dtype=jnp.bfloat16):
-  """The rounding without the per-matmul tie (what fp8 did before #24)."""
+def _qdq(x, dtype=jnp.bfloat16):
+  """The plain FP8 rounding, quantize then dequantize (current scaling)."""
   scale = fp8_lib.compute_scale(fp8_lib.amax(x), fp8_lib.E4M3)
   return fp8_lib.dequantize(fp8_lib.quantize(x, fp8_lib.E4M3, scale), scale,
                             dtype)
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
-def test_tie_leaves_the_numerics_unchanged(scaling):
+def test_fp8_matmul_is_the_product_of_the_rounded_operands(scaling):
   recipe = RECIPES[scaling]
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(8, 32)) * 3, jnp.float32)
   w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
-  # Non-finite values in the other operand must not leak into this one.
+  # A non-finite value in one operand does not change the other's
+  # rounding.
   w_bad = w.at[0, 0].set(jnp.inf)
   state = fp8_lib.init_state(recipe)
   dn = (((1,), (0,)), ((), ()))
@@ -150,11 +156,49 @@ def test_tie_leaves_the_numerics_unchanged(scaling):
     got = jmp_amp.fp8.dot_general(x, rhs, dn, state=state, recipe=recipe)
     # The rounded operands, multiplied exactly; the bf16 result is within
     # one bf16 rounding of the GEMM's bf16 output (2**-8 relative each).
-    want = jax.lax.dot_general(_untied_qdq(x, jnp.float32),
-                               _untied_qdq(rhs, jnp.float32), dn,
+    want = jax.lax.dot_general(_qdq(x, jnp.float32),
+                               _qdq(rhs, jnp.float32), dn,
                                precision="highest")
     np.testing.assert_allclose(np.asarray(got, np.float32), want,
                                rtol=2.0**-7, atol=1e-6)
+
+
+def _fp8_ops(layers, width=1, lhs="float8_e4m3fn"):
+  """A report of one FP8 matmul per layer, `width` times the usual size
+  (a merged GEMM does the FLOPs of the layers merged into it)."""
+  def f(x, w):
+    outs = []
+    for name in layers:
+      with jax.named_scope(f"fp8[{name}]"):
+        outs.append(jax.lax.dot_general(
+            x, jnp.tile(w, (1, width)), (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.bfloat16))
+    return outs
+  f8 = jax.ShapeDtypeStruct((8, 16), jnp.float8_e4m3fn)
+  report = jmp_amp.matmul_report(f, f8, jax.ShapeDtypeStruct(
+      (16, 4), jnp.float8_e4m3fn))
+  return jmp_amp.tools.MatmulReport(
+      [dataclasses.replace(r, lhs_dtype=lhs, rhs_dtype=lhs) for r in report],
+      "compiled")
+
+
+def test_audit_clears_layers_merged_into_an_fp8_gemm_only():
+  asked = _fp8_ops(["q", "k", "v"])
+  asked = jmp_amp.tools.MatmulReport(asked.records, "lowered")
+  # Merged into one FP8 GEMM named after v: three layers' FLOPs in one.
+  assert _fp8_ops(["v"], width=3).fp8_fallbacks(asked) == {}
+  # Each its own GEMM: nothing to clear.
+  assert _fp8_ops(["q", "k", "v"]).fp8_fallbacks(asked) == {}
+  why = ("1 matmuls asked for, 0 compiled (merged into a GEMM that is not "
+         "FP8, or removed)")
+  # Merged into a bfloat16 GEMM: v's is not FP8, q's and k's are gone.
+  merged_bf16 = _fp8_ops(["v"], width=3, lhs="bf16").fp8_fallbacks(asked)
+  assert sorted(merged_bf16) == ["k", "q", "v"]
+  assert merged_bf16["q"] == merged_bf16["k"] == why
+  # k removed: no FP8 GEMM did its FLOPs.
+  assert _fp8_ops(["q", "v"]).fp8_fallbacks(asked) == {"k": why}
+  # k merged into v's GEMM, q removed: what v gained does not cover both.
+  assert sorted(_fp8_ops(["v"], width=2).fp8_fallbacks(asked)) == ["k", "q"]
 
 
 # --------------------------------------------------------------------------
@@ -167,16 +211,30 @@ def test_every_fp8_layer_compiles_to_fp8_gemms(scaling):
   step, state = _train_step(_model(RECIPES[scaling]))
   report = jmp_amp.gpu_report(step, state, _x())
   assert report.fp8_fallbacks() == {}
-  layers = report.fp8_layers()
   expected = _fp8_layers(scaling)
-  assert sorted(layers) == sorted(expected)
+  # Forward, input and weight gradient of each layer asked for; the
+  # compiled GEMMs (some merged: fewer, larger) are all FP8 and do the
+  # same FLOPs.
+  assert sorted(report.lowered.fp8_layers()) == sorted(expected)
+  assert all(sum(ops.values()) == 3
+             for ops in report.lowered.fp8_layers().values())
+  assert set(report.fp8_layers()) <= set(expected)
+  fp8_flops = lambda rep: sum(r.flops for r in rep if r.fp8_layer)
+  assert fp8_flops(report.matmuls) == fp8_flops(report.lowered)
   # Forward E4M3 x E4M3; both gradients take the E5M2 output gradient.
-  for layer in expected:
-    kinds = helpers.fp8_gemm_kinds(layers[layer])
-    assert kinds == {"forward": 1, "backward": 2}, (layer, layers[layer])
   kinds = helpers.fp8_gemm_kinds(report.gemms_by_dtype())
-  assert (kinds["forward"], kinds["backward"]) == (len(expected),
-                                                   2 * len(expected))
+  assert 0 < kinds["forward"] <= len(expected)
+  assert 0 < kinds["backward"] <= 2 * len(expected)
+
+
+def _assert_fp8_gemms_only(report, asked):
+  """Every GEMM of `report` is FP8 (E4M3 forward, an E5M2 gradient
+  backward), `asked` matmuls were lowered, and the GEMMs (fewer if XLA
+  merged some) do their FLOPs."""
+  kinds = helpers.fp8_gemm_kinds(report.gemms_by_dtype())
+  assert set(kinds) == {"forward", "backward"}, kinds
+  assert len(report.lowered) == asked
+  assert report.matmuls.total_flops == report.lowered.total_flops
 
 
 def test_autocast_fp8_matmuls_sharing_an_input_stay_fp8():
@@ -190,9 +248,9 @@ def test_autocast_fp8_matmuls_sharing_an_input_stay_fp8():
   x = jax.ShapeDtypeStruct((32, D), jnp.float32)
   grad = jax.grad(jmp_amp.autocast(loss, "float8"))
   report = jmp_amp.gpu_report(grad, (w, w, w), x)
-  # Forward and weight gradient of each of the three (x needs no gradient).
-  assert helpers.fp8_gemm_kinds(report.gemms_by_dtype()) == {
-      "forward": 3, "backward": 3}
+  # Forward and weight gradient of each of the three (x needs no gradient),
+  # merged or not: FP8 GEMMs only, doing every FLOP asked for.
+  _assert_fp8_gemms_only(report, asked=6)
 
 
 def test_linen_under_autocast_fp8_keeps_shared_input_gemms_fp8():
@@ -214,15 +272,14 @@ def test_linen_under_autocast_fp8_keeps_shared_input_gemms_fp8():
   report = jmp_amp.gpu_report(
       jax.grad(jmp_amp.autocast(loss, "float8")), params, x)
   # gate, up, down forward and weight gradients; down's input gradient.
-  assert helpers.fp8_gemm_kinds(report.gemms_by_dtype()) == {
-      "forward": 3, "backward": 4}
+  _assert_fp8_gemms_only(report, asked=7)
 
 
-def _untied_layers(x, ws):
+def _dequantized_layers(x, ws):
   outs = []
   for name, w in ws.items():
     with jax.named_scope(f"fp8[{name}]"):
-      outs.append(_untied_qdq(x) @ _untied_qdq(w))
+      outs.append(_qdq(x) @ _qdq(w))
   return sum(jnp.tanh(o.astype(jnp.float32)) for o in outs)
 
 
@@ -230,12 +287,13 @@ def test_audit_flags_fp8_gemms_merged_into_a_bf16_gemm():
   helpers.h100_target_or_skip()
   w = jax.ShapeDtypeStruct((D, D), jnp.float32)
   x = jax.ShapeDtypeStruct((32, D), jnp.float32)
-  report = jmp_amp.gpu_report(_untied_layers, x, {"q": w, "k": w, "v": w})
+  report = jmp_amp.gpu_report(_dequantized_layers, x, {"q": w, "k": w, "v": w})
   # XLA merges the three into one bf16 GEMM named after one of them.
   assert report.gemms_by_dtype() == {"bf16 x bf16 -> bf16": 1}
   flagged = report.fp8_fallbacks()
   assert sorted(flagged) == ["k", "q", "v"]
-  merged = "1 matmuls asked for, 0 compiled (merged into another GEMM or removed)"
+  merged = ("1 matmuls asked for, 0 compiled (merged into a GEMM that is "
+            "not FP8, or removed)")
   assert sorted(flagged.values()) == sorted(
       ["1 of 1 ops not FP8 (1 x bf16 x bf16 -> bf16)", merged, merged])
   # Without the lowered program, only the bf16 GEMM itself is seen.

@@ -154,14 +154,6 @@ def amax(x: jax.Array, axis: Optional[tuple] = None) -> jax.Array:
   return jnp.max(a, axis=axis, keepdims=axis is not None).astype(jnp.float32)
 
 
-def tie(x: jax.Array, other: jax.Array) -> jax.Array:
-  """`x` in float32 plus ``0 * other``: zero for a finite `other`, which
-  XLA cannot fold (0 * inf is NaN), so the quantized operand is this
-  matmul's own (see `jmp_amp._src.fp8_ops`)."""
-  return (jnp.asarray(x, jnp.float32)
-          + np.float32(0) * other.astype(jnp.float32))
-
-
 def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   """``x / scale`` saturated to the format's range and cast to `dtype`.
 
@@ -322,35 +314,31 @@ def scale_of(x: jax.Array, history: jax.Array, dtype: Any,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def qdq_operand(recipe: FP8Recipe, x: jax.Array, history: jax.Array,
-                other: jax.Array) -> jax.Array:
+def qdq_operand(recipe: FP8Recipe, x: jax.Array,
+                history: jax.Array) -> jax.Array:
   """Forward operand `x` rounded through ``recipe.fwd_dtype``.
 
-  Returns ``dequantize(quantize(x + 0 * other))`` in
-  ``recipe.compute_dtype`` (`other`: a finite float32 scalar of the
-  matmul's other operand, see `tie`). The gradient with respect to `x`
-  passes straight through; the "gradient" with respect to `history` is the
-  updated history, with respect to `other` zero. Used by the FP8
+  Returns ``dequantize(quantize(x))`` in ``recipe.compute_dtype``. The
+  gradient with respect to `x` passes straight through; the "gradient"
+  with respect to `history` is the updated history. Used by the FP8
   convolution, whose quantize -> dequantize pattern cuDNN's graph
   convolution recognises.
   """
-  return _qdq_operand_fwd(recipe, x, history, other)[0]
+  return _qdq_operand_fwd(recipe, x, history)[0]
 
 
-def _qdq_operand_fwd(recipe, x, history, other):
+def _qdq_operand_fwd(recipe, x, history):
   scale, new_history = scale_of(x, history, recipe.fwd_dtype, recipe)
-  q = quantize(tie(x, other), recipe.fwd_dtype, scale)
-  # Zero-size arrays carry x's and other's dtypes (residuals must be arrays).
+  q = quantize(x, recipe.fwd_dtype, scale)
+  # A zero-size array carries x's dtype (residuals must be arrays).
   return (dequantize(q, scale, recipe.compute_dtype),
-          (new_history, jnp.zeros((0,), x.dtype),
-           jnp.zeros((0,), other.dtype)))
+          (new_history, jnp.zeros((0,), x.dtype)))
 
 
 def _qdq_operand_bwd(recipe, res, g):
   del recipe
-  new_history, like_x, like_other = res
-  return (g.astype(like_x.dtype), new_history,
-          jnp.zeros((), like_other.dtype))
+  new_history, like_x = res
+  return g.astype(like_x.dtype), new_history
 
 
 qdq_operand.defvjp(_qdq_operand_fwd, _qdq_operand_bwd)

@@ -79,12 +79,8 @@ def _tensor_fwd(recipe, dims, precision, out_sharding, out_dtype, lhs, rhs,
   fwd = recipe.fwd_dtype
   lhs_scale, new_lhs = fp8_lib.scale_of(lhs, state.lhs, fwd, recipe)
   rhs_scale, new_rhs = fp8_lib.scale_of(rhs, state.rhs, fwd, recipe)
-  # Each operand is quantized with a zero term tied to the other operand's
-  # scale (`fp8_lib.tie`): matmuls sharing an input (q/k/v projections of
-  # one activation, gate/up of a GLU) then quantize it as their own, and
-  # XLA does not merge them into one GEMM the audit could not attribute.
-  q_lhs = fp8_lib.quantize(fp8_lib.tie(lhs, rhs_scale), fwd, lhs_scale)
-  q_rhs = fp8_lib.quantize(fp8_lib.tie(rhs, lhs_scale), fwd, rhs_scale)
+  q_lhs = fp8_lib.quantize(lhs, fwd, lhs_scale)
+  q_rhs = fp8_lib.quantize(rhs, fwd, rhs_scale)
   y = _scaled_gemm(q_lhs, q_rhs, dims, precision, lhs_scale, rhs_scale,
                    out_dtype, out_sharding)
   res = (q_lhs, lhs_scale, q_rhs, rhs_scale, new_lhs, new_rhs, state.grad,
@@ -124,9 +120,8 @@ def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, margin, precision,
   Each operand gets one scale per index of the axes it does not contract
   (the scales keep its rank, size 1 along the contracted axes). The GEMM
   multiplies the FP8 tensors; the outer product of the scales, laid out as
-  the result (batch, `a`'s kept, `b`'s kept), rescales it. Each operand is
-  tied to the other's whole-tensor amax (see `_tensor_fwd`); those amaxes,
-  for the histories, are the largest row amaxes.
+  the result (batch, `a`'s kept, `b`'s kept), rescales it. The whole-tensor
+  amaxes, for the histories, are the largest row amaxes.
   """
   (ac, bc), (ab, bb) = dims
   ak, bk = dot_dims.kept(a.ndim, ac, ab), dot_dims.kept(b.ndim, bc, bb)
@@ -134,8 +129,8 @@ def _row_scaled_dot(a, b, dims, dtype_a, dtype_b, margin, precision,
   amax_a, amax_b = jnp.max(row_a), jnp.max(row_b)
   sa = fp8_lib.compute_scale(row_a, dtype_a, margin)
   sb = fp8_lib.compute_scale(row_b, dtype_b, margin)
-  qa = fp8_lib.quantize(fp8_lib.tie(a, amax_b), dtype_a, sa)
-  qb = fp8_lib.quantize(fp8_lib.tie(b, amax_a), dtype_b, sb)
+  qa = fp8_lib.quantize(a, dtype_a, sa)
+  qb = fp8_lib.quantize(b, dtype_b, sb)
   y = _gemm(qa, qb, dims, precision, out_sharding=out_sharding)
   batch = [a.shape[i] for i in ab]
   sa = jnp.transpose(sa, list(ab) + ak + list(ac)).reshape(
@@ -373,15 +368,10 @@ def conv_general_dilated(
                      f"einsum (nnx.Linear, nnx.LinearGeneral, nnx.Einsum); "
                      f"use FP8Recipe(scaling='current') or 'delayed' for a "
                      f"convolution")
-  # Each operand is tied to the other's scale, as in `_tensor_fwd`.
-  lhs_scale = lax.stop_gradient(
-      fp8_lib.scale_of(lhs, state.lhs, recipe.fwd_dtype, recipe)[0])
-  rhs_scale = lax.stop_gradient(
-      fp8_lib.scale_of(rhs, state.rhs, recipe.fwd_dtype, recipe)[0])
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
   y = lax.conv_general_dilated(
-      fp8_lib.qdq_operand(recipe, lhs, state.lhs, rhs_scale),
-      fp8_lib.qdq_operand(recipe, rhs, state.rhs, lhs_scale),
+      fp8_lib.qdq_operand(recipe, lhs, state.lhs),
+      fp8_lib.qdq_operand(recipe, rhs, state.rhs),
       window_strides, padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
       feature_group_count=feature_group_count,

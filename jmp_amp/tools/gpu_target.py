@@ -198,7 +198,8 @@ class GpuReport:
     Compares the compiled program with the lowered one (see
     `MatmulReport.fp8_fallbacks`): a layer with a GEMM whose operands are
     not FP8, or with fewer GEMMs than the matmuls it asked for (XLA merged
-    them into another GEMM), is flagged. Empty when none is.
+    them into a GEMM that is not FP8, or removed them), is flagged. Empty
+    when none is.
     """
     return self.matmuls.fp8_fallbacks(expected=self.lowered)
 

@@ -225,11 +225,16 @@ class MatmulReport(Sequence[MatmulRecord]):
                     ) -> dict[str, str]:
     """The FP8 layers that did not compile to FP8 GEMMs only, and why.
 
-    A layer is flagged if one of its ops has an operand that is not FP8,
-    and, given `expected` (the report of the same program at the lowered
-    stage: the matmuls it asks for), if it has fewer ops here than there:
-    XLA merged its GEMM into another one (matmuls sharing an operand) or
-    removed it. An empty dict means every FP8 layer's GEMMs are FP8.
+    A layer is flagged if one of its ops has an operand that is not FP8.
+    Given `expected` (the report of the same program at the lowered stage:
+    the matmuls it asks for), a layer with fewer ops here than there is
+    flagged too, unless its GEMMs were merged into FP8 ones: XLA merges
+    matmuls that share an operand (the q, k and v projections of one
+    input) into one GEMM named after one of them, so the FLOPs the other
+    layers miss reappear in that layer's FP8 GEMMs. A layer is cleared as
+    merged only when the FP8 FLOPs the program gained beyond what each
+    layer asked for cover all it lost. An empty dict means every FP8
+    layer's GEMMs are FP8.
 
     Example:
       >>> import jmp_amp.tools
@@ -245,13 +250,19 @@ class MatmulReport(Sequence[MatmulRecord]):
 
     Args:
       expected: the lowered-stage report of the same program, to find
-        layers whose GEMMs were merged away.
+        layers whose GEMMs were merged into GEMMs that are not FP8, or
+        removed.
 
     Returns:
       ``{layer path: reason}``.
     """
     found = self.fp8_layers()
     want = {} if expected is None else expected.fp8_layers()
+    short = {layer: (sum(want[layer].values()),
+                     sum(found.get(layer, {}).values()))
+             for layer in want}
+    short = {k: v for k, v in short.items() if v[1] < v[0]}
+    merged_into_fp8 = bool(short) and _fp8_flops_cover(self, expected)
     out = {}
     for layer in list(want) + [k for k in found if k not in want]:
       sigs = found.get(layer, {})
@@ -261,10 +272,10 @@ class MatmulReport(Sequence[MatmulRecord]):
       if bad:
         reasons.append(f"{sum(bad.values())} of {total} ops not FP8 (" +
                        ", ".join(f"{n} x {s}" for s, n in bad.items()) + ")")
-      asked = sum(want.get(layer, {}).values())
-      if total < asked:
-        reasons.append(f"{asked} matmuls asked for, {total} compiled (merged "
-                       "into another GEMM or removed)")
+      if layer in short and not merged_into_fp8:
+        asked, got = short[layer]
+        reasons.append(f"{asked} matmuls asked for, {got} compiled (merged "
+                       "into a GEMM that is not FP8, or removed)")
       if reasons:
         out[layer] = "; ".join(reasons)
     return out
@@ -309,6 +320,34 @@ class MatmulReport(Sequence[MatmulRecord]):
         f"{k}: {v:,} ({100 * v / total:.1f}%)"
         for k, v in self.flops_by_input_dtype().items()))
     return "\n".join(lines)
+
+
+def _layer_flops(report: MatmulReport, fp8_only: bool
+                 ) -> Optional[dict[str, int]]:
+  """FLOPs of each FP8 layer's ops (with FP8 operands only, if `fp8_only`);
+  None if one is unknown."""
+  out: dict[str, int] = collections.defaultdict(int)
+  for r in report.records:
+    if r.fp8_layer is not None and (
+        not fp8_only or is_fp8_signature(r.signature)):
+      if r.flops is None:
+        return None
+      out[r.fp8_layer] += r.flops
+  return out
+
+
+def _fp8_flops_cover(compiled: MatmulReport, lowered: MatmulReport) -> bool:
+  """Whether the FP8 FLOPs that some layers gained in `compiled` (over the
+  matmuls `lowered` asks of them) account for all that the others lost:
+  their GEMMs were merged into FP8 GEMMs."""
+  got = _layer_flops(compiled, fp8_only=True)
+  asked = _layer_flops(lowered, fp8_only=False)
+  if got is None or asked is None:
+    return False
+  layers = set(got) | set(asked)
+  gained = sum(max(0, got[k] - asked[k]) for k in layers)
+  lost = sum(max(0, asked[k] - got[k]) for k in layers)
+  return gained >= lost
 
 
 def is_fp8_signature(signature: str) -> bool:
