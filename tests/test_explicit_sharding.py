@@ -92,17 +92,26 @@ def test_trajectories_match_one_device(results):
 
 @pytest.mark.slow
 def test_more_trajectories_match_one_device(slow_results):
-  # bf16 on meshes (8,) data parallel and FSDP, (2, 4) tensor parallel,
-  # Auto and mixed axes; float16 with dynamic and static loss scales, in
-  # make_train_step and a hand-written nnx.jit step; 16-bit optimizer state
-  # (stochastic rounding); the GPT's projections tensor parallel and FSDP.
+  # bf16 on meshes (8,) FSDP and (2, 4) with Auto axes; 16-bit optimizer
+  # state (stochastic rounding) FSDP; float16 with a dynamic loss scale data
+  # parallel and a static one tensor parallel; the GPT's projections FSDP
+  # and tensor parallel on mixed axes. With the fast runs, every feature,
+  # runner, mesh and layout at least once.
   _check_trajectories(slow_results)
-  runs = [k for k in slow_results if k.startswith("traj/")]
+  runs = [k.split("/")[1:] for k in slow_results if k.startswith("traj/")]
+  runs += [k.split("/")[1:] for k in (
+      "traj/bf16/train_with_make_train_step/1x1/tp",
+      "traj/fp16_dynamic/train_by_hand/2x4/tp")]  # the fast runs
+  features, runners, meshes, layouts = (set(c) for c in zip(*runs))
+  assert runners == {"train_with_make_train_step", "train_by_hand"}
+  assert layouts == {"fsdp", "dp", "tp"}
   if "gpt_skipped" in slow_results:  # flax 0.12.3
-    assert not any("gpt" in k for k in runs)
-    assert len(runs) == 12
+    assert not features & {"gpt_bf16", "gpt_fp16"}
+    assert len(runs) == 2 + 5
   else:
-    assert len(runs) == 17
+    assert features == set(TOLERANCE)
+    assert meshes == {"1x1", "8", "2x4", "2x4_auto", "2x4_mixed"}
+    assert len(runs) == 2 + 7
 
 
 @pytest.mark.slow
