@@ -138,7 +138,7 @@ def mlp():
 
 
 def gpt():
-  return models.GPT(vocab_size=64, d_model=32, num_heads=4, num_layers=2,
+  return models.GPT(vocab_size=64, d_model=32, num_heads=4, num_layers=1,
                     max_len=16, attention="einsum", rngs=nnx.Rngs(0))
 
 
