@@ -64,9 +64,12 @@ def parse_args(argv):
 
 
 ARGS = parse_args(sys.argv[1:])
+# Every program at XLA:CPU's backend level 0 (FAST_COMPILE's, below): the
+# inits, gathers and checkpoints' copies too, in every process alike.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={ARGS.local_devices}")
+    + f" --xla_force_host_platform_device_count={ARGS.local_devices}"
+    + " --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -22,9 +22,13 @@ import tempfile
 import traceback
 
 NUM_DEVICES = 8
+# XLA:CPU's backend at optimisation level 0 (as the tests' FAST_COMPILE):
+# these small programs compile in about half the time. Every run and its
+# one-device reference compile alike.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={NUM_DEVICES}")
+    + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+    + " --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -271,14 +275,16 @@ def params(model):
   return jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
-def case(name, mode, layout, hand_written=False):
-  """The trajectory under the mesh against one device."""
+def case(name, mode, layout, hand_written=False, numerics=None):
+  """The trajectory under the mesh against one device; returns the mesh,
+  the trained model, optimizer and step, and both runs' metrics."""
   try:
-    ref, _, ref_metrics, _ = train(mode, None, layout, hand_written)
+    ref, _, ref_metrics, _ = train(mode, None, layout, hand_written,
+                                   numerics)
     mesh = make_mesh()
     with jax.set_mesh(mesh):
       model, optimizer, metrics, step = train(mode, mesh, layout,
-                                              hand_written)
+                                              hand_written, numerics)
     losses = lambda ms: [float(m["loss"]) for m in ms]
     finite = lambda ms: [bool(m["grads_finite"]) for m in ms]
     scale = jmp_amp.get_scaling_state(optimizer.opt_state).loss_scale
@@ -296,7 +302,7 @@ def case(name, mode, layout, hand_written=False):
         "sharded": kept_layout(model, layout),
         "scale_replicated": all(replicated_everywhere(x)
                                 for x in jax.tree.leaves(scale))}
-    return mesh, model, optimizer, step
+    return mesh, model, optimizer, step, metrics, ref_metrics
   except Exception as e:  # pylint: disable=broad-except
     RESULTS[name] = error(e)
     return None
@@ -309,7 +315,7 @@ def inner_state_bytes(optimizer):
 
 def skip(trained):
   """An inf in the hand-written step's loss: skipped on every shard."""
-  mesh, model, optimizer, step = trained
+  mesh, model, optimizer, step, _, _ = trained
   with jax.set_mesh(mesh):
     before = (shard_bytes(nnx.state(model, nnx.Param)),
               inner_state_bytes(optimizer))
@@ -327,13 +333,11 @@ def skip(trained):
             state.loss_scale.loss_scale)}
 
 
-def telemetry(layout):
-  """numerics="**" statistics under the mesh against one device."""
+def telemetry(trained):
+  """numerics="**" statistics under the mesh against one device (the bf16
+  case's runs)."""
   try:
-    _, _, ref, _ = train("bf16", None, layout, numerics="**")
-    mesh = make_mesh()
-    with jax.set_mesh(mesh):
-      _, _, got, _ = train("bf16", mesh, layout, numerics="**")
+    *_, got, ref = trained
     # The first step's statistics: the same params on both.
     ref, got = (jax.tree.map(np.asarray, dict(m[0]["numerics"]))
                 for m in (ref, got))
@@ -354,14 +358,13 @@ def telemetry(layout):
     RESULTS["telemetry"] = error(e)
 
 
-def resume(layout):
-  """fp16 saved under the mesh, restored into a fresh sharded model and
-  resumed: bit for bit, shard by shard."""
+def resume(trained, layout):
+  """fp16 trained under the mesh (the hand-written case's run, its inf step
+  skipped), saved, restored into a fresh sharded model and resumed: bit for
+  bit, shard by shard."""
   try:
-    mesh = make_mesh()
+    mesh, model, optimizer, step, _, _ = trained
     with tempfile.TemporaryDirectory() as tmp:
-      with jax.set_mesh(mesh):
-        model, optimizer, _, step = train("fp16", mesh, layout)
       # Outside set_mesh, as tests/explicit_sharding_check.py saves (orbax
       # 0.11.20 copies shards to the host with a jit the mesh refuses).
       checkpoint.save(tmp, {"model": model, "opt": optimizer}, step=STEPS)
@@ -370,9 +373,9 @@ def resume(layout):
         checkpoint.restore(tmp, {"model": model2, "opt": optimizer2})
         equal = (shard_bytes(nnx.state((model, optimizer)))
                  == shard_bytes(nnx.state((model2, optimizer2))))
-        for t in BATCHES[STEPS:]:
-          step(model, optimizer, put(t, mesh))
-          step(model2, optimizer2, put(t, mesh))
+        for t in BATCHES[STEPS + 1:]:
+          step(model, optimizer, put(t, mesh), jnp.float32(1))
+          step(model2, optimizer2, put(t, mesh), jnp.float32(1))
         RESULTS["checkpoint"] = {
             "restored_bitwise": equal,
             "resumed_bitwise": shard_bytes(nnx.state((model, optimizer)))
@@ -403,23 +406,24 @@ def main():
     print(json.dumps(RESULTS))
     return 0
   layout = RESULTS["layout"] = ok[0]
-  if want("bf16"):
-    case("bf16/make_train_step", "bf16", layout)
-  if want("fp16"):
+  # One run serves two checks: bf16's trajectory and its telemetry;
+  # fp16's trajectory, its inf step, then its checkpoint.
+  if want("bf16") or want("telemetry"):
+    trained = case("bf16/make_train_step", "bf16", layout, numerics="**")
+    if trained is not None:
+      telemetry(trained)
+  if want("fp16") or want("checkpoint"):
     trained = case("fp16/hand_written", "fp16", layout, hand_written=True)
     if trained is not None:
       try:
         skip(trained)
       except Exception as e:  # pylint: disable=broad-except
         RESULTS["fp16_skip"] = error(e)
+      resume(trained, layout)
   if want("fp8"):
     case("fp8/make_train_step", "fp8", layout)
   if want("state16"):
     case("state16/make_train_step", "state16", layout)
-  if want("telemetry"):
-    telemetry(layout)
-  if want("checkpoint"):
-    resume(layout)
   print(json.dumps(RESULTS))
   return 0
 
