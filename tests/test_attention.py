@@ -96,17 +96,21 @@ def _train_losses(mode, attention, steps=4):
   return np.array(losses)
 
 
+# The fused GPT under each way its attention runs in half precision, trained
+# against the float32 einsum GPT: bfloat16 and float16 (with loss scaling) by
+# a policy, and autocast's "dot_product_attention" rule. (Autocast to float16
+# is the same rule at the other half: its forward pass is checked in the
+# autocast tests below. FP8 models keep attention in bfloat16; the FP8 GPT,
+# fused by default, trains against the bfloat16 one in tests/test_fp8.py.)
 @pytest.mark.slow  # About 25 s a mode on two CPU cores.
-@pytest.mark.parametrize("mode", ["mixed_bfloat16", "mixed_float16", "float8",
-                                  "autocast-mixed_bfloat16",
-                                  "autocast-mixed_float16"])
+@pytest.mark.parametrize("mode", ["mixed_bfloat16", "mixed_float16",
+                                  "autocast-mixed_bfloat16"])
 def test_fused_gpt_trains_like_the_einsum_gpt(mode):
-  fused, einsum = _train_losses(mode, "fused"), _train_losses(mode, "einsum")
+  fused = _train_losses(mode, "fused")
   ref = _train_losses("float32", "einsum")
   assert np.all(np.isfinite(fused)) and fused[-1] < fused[0] - 0.2
   # Loss about 4.2: bf16/FP8 rounding moves it in the second decimal.
   tol = 0.02 if "mixed_float16" in mode else 0.05
-  np.testing.assert_allclose(fused, einsum, atol=tol, rtol=0)
   np.testing.assert_allclose(fused, ref, atol=tol, rtol=0)
 
 

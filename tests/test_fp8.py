@@ -698,7 +698,7 @@ def test_one_rules_dict_mixes_fp8_bf16_and_float32_and_reapplies():
   assert attn.dtype == jnp.bfloat16 and attn.dot_general is jax.lax.dot_general
   assert model.blocks[0].ln1.dtype == jnp.float32
   assert str(jmp_amp.flax.get_policies(model)["blocks/0/mlp/fc"]) == "float8"
-  logits = model(tokens)
+  logits = nnx.jit(lambda m, t: m(t))(model, tokens)  # one compile
   assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
   # Applying other rules replaces the FP8 set-up; clearing restores all.
   jmp_amp.flax.set_policies(model, jmp_amp.flax.mixed_rules())
@@ -930,13 +930,19 @@ def _train_gpt(setup, steps=300):
   return np.mean(losses[-10:]), model
 
 
+@functools.cache
+def _bf16_gpt_loss():
+  """The bf16 GPT's final loss: the reference of both GPT tests below."""
+  return _train_gpt(lambda m: m)[0]
+
+
 @pytest.mark.slow
 def test_fp8_gpt_final_loss_within_10_percent_of_bf16():
   # bf16 model vs the same model with the default FP8 rules (6 of its 8
   # Linear layers in FP8), same data and steps. Both end near 0.07 (from
   # ln 64 = 4.2): the FP8 run was 3.7 % above bf16 on one x86 machine and
   # under 3 % on another (XLA:CPU rounds per CPU); 10 % leaves that margin.
-  loss_bf16, _ = _train_gpt(lambda m: m)
+  loss_bf16 = _bf16_gpt_loss()
   loss_fp8, model = _train_gpt(
       lambda m: jmp_amp.flax.set_policies(
           m, {"*": "float8"},
@@ -959,7 +965,7 @@ def test_rowwise_fp8_trains_like_bf16():
   assert len(flax_fp8.histories(model)) == 3
   assert acc_bf16 > 0.95, acc_bf16
   assert abs(acc_row - acc_bf16) <= 0.01, (acc_bf16, acc_row)
-  loss_bf16, _ = _train_gpt(lambda m: m)
+  loss_bf16 = _bf16_gpt_loss()
   loss_row, model = _train_gpt(
       lambda m: jmp_amp.flax.set_policies(
           m, {"*": flax_fp8.FP8Policy(ROWWISE)},
@@ -1177,7 +1183,8 @@ def test_autocast_float8_loss_and_grads_close_to_float32():
   # (relative L2), cosine >= 0.992; bfloat16 autocast: 0.3-0.9 %. Bounds:
   # loss 2 %, gradients 20 % of each tensor's norm and cosine > 0.98.
   params, (x, labels) = _mlp_params(), _classification_batch()
-  loss32, grads32 = jax.value_and_grad(_mlp_loss)(params, x, labels)
+  # Jitted (one compile each, not one per op run eagerly).
+  loss32, grads32 = jax.jit(jax.value_and_grad(_mlp_loss))(params, x, labels)
   f8 = jax.jit(jax.value_and_grad(jmp_amp.autocast(_mlp_loss, "float8")))
   loss8, grads8 = f8(params, x, labels)
   assert loss8.dtype == jnp.float32
@@ -1190,8 +1197,8 @@ def test_autocast_float8_loss_and_grads_close_to_float32():
     cos = g8 @ g32 / (np.linalg.norm(g8) * np.linalg.norm(g32))
     assert err < 0.2 and cos > 0.98, (err, cos)
   # Not a no-op: float8 differs from float32 and from bfloat16 autocast.
-  loss16 = jmp_amp.autocast(_mlp_loss, "p=f32,c=bf16,o=f32")(params, x,
-                                                              labels)
+  loss16 = jax.jit(jmp_amp.autocast(_mlp_loss, "p=f32,c=bf16,o=f32"))(
+      params, x, labels)
   assert float(loss8) != float(loss32) and float(loss8) != float(loss16)
 
 
@@ -1244,7 +1251,7 @@ def test_autocast_float8_under_remat_scan_and_conv():
       functools.partial(loss, remat=r), "fp8")))(w, x) for r in (False, True)}
   # Recomputing the forward pass recomputes the same FP8 rounding.
   np.testing.assert_array_equal(grads[False], grads[True])
-  ref = jax.grad(functools.partial(loss, remat=False))(w, x)
+  ref = jax.jit(jax.grad(functools.partial(loss, remat=False)))(w, x)
   assert np.linalg.norm(grads[True] - ref) / np.linalg.norm(ref) < 0.1
   # The scan body's matmul, its remat recomputation and both backward
   # matmuls run on FP8-rounded operands.
@@ -1261,8 +1268,8 @@ def test_autocast_float8_under_remat_scan_and_conv():
       img, k, (1, 1), "SAME")) ** 2)
   sigs = _f8_signatures(jax.grad(jmp_amp.autocast(conv, "float8")), k, img)
   assert sigs == {"e4m3 x e4m3": 1, "e4m3 x e5m2": 1}, sigs  # fwd, dkernel
-  g8 = jax.grad(jmp_amp.autocast(conv, "float8"))(k, img)
-  g32 = jax.grad(conv)(k, img)
+  g8 = jax.jit(jax.grad(jmp_amp.autocast(conv, "float8")))(k, img)
+  g32 = jax.jit(jax.grad(conv))(k, img)
   assert np.linalg.norm(g8 - g32) / np.linalg.norm(g32) < 0.1
 
 

@@ -226,8 +226,6 @@ MODES = {
     "mixed_float16": (jmp_amp.flax.mixed_rules("float16"),
                       functools.partial(jmp_amp.DynamicLossScale, 2.0 ** 15),
                       False),
-    "float8": (jmp_amp.flax.mixed_rules() | {"*": FP8(keep_first_last=False)},
-               jmp_amp.NoOpLossScale, False),
     "float8-delayed": (jmp_amp.flax.mixed_rules() | {"*": FP8(
         RECIPE(scaling="delayed", history_len=4), keep_first_last=False)},
                        jmp_amp.NoOpLossScale, False),
@@ -256,12 +254,14 @@ def setup(mode, scan=True, remat=REMAT, seed=0):
                               wrt=nnx.Param)
 
 
-def trajectory(mode, steps=STEPS):
+def trajectory(mode, steps=STEPS, numerics=None):
   model, opt = setup(mode)
-  step = jmp_amp.flax.make_train_step(loss_fn)
-  metrics = [step(model, opt, BATCHES[i % len(BATCHES)])
-             for i in range(steps)]
-  return np.array([float(m["loss"]) for m in metrics]), metrics, model
+  step = jmp_amp.flax.make_train_step(loss_fn, numerics=numerics)
+  losses = []
+  for i in range(steps):
+    metrics = step(model, opt, BATCHES[i % len(BATCHES)])
+    losses.append(metrics["loss"])
+  return np.array([float(x) for x in losses]), metrics, (model, opt, step)
 
 
 @pytest.fixture(scope="module")
@@ -281,21 +281,25 @@ def windows(losses):
 # 0.090 for float16 (its first window: the first step is skipped), 0.028 for
 # the FP8 recipes (rowwise's first window), 0.012 for bfloat16; in the middle
 # window, where the loss falls steeply, 0.010-0.022 (9-18 % relative).
-TOLERANCE = {"mixed_bfloat16": 0.1, "mixed_float16": 0.1, "float8": 0.15,
+TOLERANCE = {"mixed_bfloat16": 0.1, "mixed_float16": 0.1,
              "float8-delayed": 0.15, "float8-rowwise": 0.15, "state16": 0.15}
+# Each mode trains once, against float32, through one of the two runners
+# (a train-step compile is most of a run's time). make_train_step: a
+# checkpoint of the trained model resumes bitwise with the same compiled step
+# (the loss scale, FP8's delayed histories, 16-bit params and moments), and
+# bfloat16's step computes the telemetry of every module. A hand-written
+# step: jmp_amp.flax.fp8.value_and_grad (FP8's rowwise scaling); its
+# jmp_amp.scaled_value_and_grad branch runs float16 in
+# test_an_overflowing_float16_step_is_skipped_bitwise. FP8's current scaling
+# trains against float32 in tests/test_fp8.py (digits), and a scanned GPT in
+# tests/test_scanned_gpt.py.
+MAKE_TRAIN_STEP_MODES = ("float8-delayed", "mixed_bfloat16", "mixed_float16",
+                         "state16")
+HAND_WRITTEN_MODES = ("float8-rowwise",)
+assert sorted(MAKE_TRAIN_STEP_MODES + HAND_WRITTEN_MODES) == sorted(TOLERANCE)
 
 
-@pytest.mark.slow  # a train-step compile and 300 steps per mode: ~20-50 s
-@pytest.mark.parametrize("mode", sorted(TOLERANCE))
-def test_each_mode_trains_as_float32_does(mode, float32_losses):
-  losses, metrics, model = trajectory(mode)
-  assert float32_losses[-20:].mean() < 0.3 * float32_losses[:10].mean()
-  assert np.isfinite(losses).all()
-  np.testing.assert_allclose(windows(losses), windows(float32_losses),
-                             rtol=TOLERANCE[mode], atol=0.02)
-  skipped = int(metrics[-1]["skipped_steps"])
-  # float16 at 2**15 backs off in its first steps; the others never skip.
-  assert (0 < skipped <= 5) if mode == "mixed_float16" else skipped == 0
+def check_policies(mode, model):
   policies = jmp_amp.flax.get_policies(model)
   if mode.startswith("float8"):
     assert str(policies["blocks/mlp/gate"]).startswith("float8")
@@ -307,46 +311,95 @@ def test_each_mode_trains_as_float32_does(mode, float32_losses):
     assert str(policies["blocks/attn/q"]) == f"p=f32,c={half},o={half}"
 
 
-def hand_written_step(mode):
+@pytest.mark.slow  # a train-step compile and 300 steps per mode: ~20-60 s
+@pytest.mark.parametrize("mode", MAKE_TRAIN_STEP_MODES)
+def test_each_mode_trains_as_float32_does_and_resumes_bitwise(
+    tmp_path, mode, float32_losses):
+  telemetry = mode == "mixed_bfloat16"
+  losses, metrics, (model, opt, step) = trajectory(
+      mode, numerics="**" if telemetry else None)
+  assert float32_losses[-20:].mean() < 0.3 * float32_losses[:10].mean()
+  assert np.isfinite(losses).all()
+  np.testing.assert_allclose(windows(losses), windows(float32_losses),
+                             rtol=TOLERANCE[mode], atol=0.02)
+  skipped = int(metrics["skipped_steps"])
+  # float16 at 2**15 backs off in its first steps; the others never skip.
+  assert (0 < skipped <= 5) if mode == "mixed_float16" else skipped == 0
+  check_policies(mode, model)
+  if telemetry:
+    check_telemetry(jax.device_get(metrics["numerics"]))
+  resumes_bitwise(tmp_path, mode, model, opt, step)
+  if mode == "mixed_float16":
+    # An overflowing step (an inf weight: every gradient NaN) changes
+    # nothing but the scale, bit for bit (as a hand-written step's below).
+    kernel = model.blocks.mlp.down.kernel
+    kernel[...] = kernel[...].at[1, 0, 0].set(jnp.inf)
+    skips_bitwise(model, opt, lambda: step(model, opt, BATCHES[0]))
+
+
+def resumes_bitwise(tmp_path, mode, model, opt, step):
+  """A checkpoint restored into a fresh model of the mode, and three more
+  steps of the same compiled step on both: bit for bit the same."""
+  checkpoint = pytest.importorskip("jmp_amp.checkpoint")
+  checkpoint.save(tmp_path, {"model": model, "opt": opt}, step=STEPS)
+  restored, restored_opt = setup(mode, seed=1)
+  checkpoint.restore(tmp_path, {"model": restored, "opt": restored_opt})
+  state = lambda *xs: helpers.pure(nnx.state(xs))
+  assert helpers.tree_bytes_equal(state(restored, restored_opt),
+                                  state(model, opt))
+  if mode == "float8-delayed":  # a full history per block
+    lhs = np.asarray(jmp_amp.flax.fp8.histories(restored)["blocks/mlp/down"]
+                     .lhs)
+    assert lhs.shape == (LAYERS, 4) and np.all(lhs > 0)
+  for i in range(3):
+    assert helpers.tree_bytes_equal(step(restored, restored_opt, BATCHES[i]),
+                                    step(model, opt, BATCHES[i]))
+  assert helpers.tree_bytes_equal(state(restored, restored_opt),
+                                  state(model, opt))
+
+
+def hand_written_step(mode, loss=loss_fn):
   """A user's own step: nnx.jit, the optimizer's loss_scaling read by
   jmp_amp.scaled_value_and_grad; FP8's histories through
   jmp_amp.flax.fp8.value_and_grad."""
   if mode.startswith("float8"):
     @nnx.jit
-    def step(model, optimizer, tokens):
-      loss, grads = jmp_amp.flax.fp8.value_and_grad(
-          lambda m: loss_fn(m, tokens))(model)
+    def step(model, optimizer, batch):
+      value, grads = jmp_amp.flax.fp8.value_and_grad(
+          lambda m: loss(m, batch))(model)
       optimizer.update(model, grads)
-      return loss
+      return value
     return step
 
   @nnx.jit
-  def step(model, optimizer, tokens):
+  def step(model, optimizer, batch):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     def loss_of(params):
-      return loss_fn(nnx.merge(graphdef, params, rest), tokens)
-    loss, grads = jmp_amp.scaled_value_and_grad(loss_of)(
+      return loss(nnx.merge(graphdef, params, rest), batch)
+    value, grads = jmp_amp.scaled_value_and_grad(loss_of)(
         optimizer.opt_state, params)
     optimizer.update(model, grads)
-    return loss
+    return value
   return step
 
 
-@pytest.mark.slow  # a step compile and 110 steps per mode: ~15-40 s
-@pytest.mark.parametrize("mode", sorted(TOLERANCE))
+@pytest.mark.slow  # a step compile and 300 steps per mode: ~15-40 s
+@pytest.mark.parametrize("mode", HAND_WRITTEN_MODES)
 def test_a_hand_written_nnx_jit_step_trains_each_mode(mode, float32_losses):
   model, opt = setup(mode)
   step = hand_written_step(mode)
   losses = np.array([float(step(model, opt, BATCHES[i % len(BATCHES)]))
-                     for i in range(110)])
-  np.testing.assert_allclose(windows(losses)[:2], windows(float32_losses)[:2],
+                     for i in range(STEPS)])
+  assert np.isfinite(losses).all()
+  np.testing.assert_allclose(windows(losses), windows(float32_losses),
                              rtol=TOLERANCE[mode], atol=0.02)
+  check_policies(mode, model)
   if mode.startswith("float8"):
     histories = jmp_amp.flax.fp8.histories(model)
     assert histories["blocks/mlp/down"].lhs.shape[0] == LAYERS
   else:
     state = jmp_amp.get_scaling_state(opt.opt_state)
-    assert int(state.steps) == 110
+    assert int(state.steps) == STEPS
 
 
 # --------------------------------------------------------------------------
@@ -358,31 +411,25 @@ def poisoned_loss(model, batch):
   return loss_fn(model, tokens) * factor
 
 
-@pytest.mark.slow  # a train-step compile: ~15-30 s
-@pytest.mark.parametrize("how", ["make_train_step", "hand-written"])
-def test_an_overflowing_float16_step_is_skipped_bitwise(how):
+@pytest.mark.slow  # a step compile: ~15-30 s
+def test_an_overflowing_float16_step_is_skipped_bitwise():
+  # make_train_step's: in test_each_mode_trains_as_float32_does_and_...
   model, opt = setup("mixed_float16")
-  if how == "make_train_step":
-    step = jmp_amp.flax.make_train_step(poisoned_loss)
-    run = lambda factor: step(model, opt, (TOKENS, jnp.float32(factor)))
-  else:
-    @nnx.jit
-    def step(model, optimizer, batch):
-      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-      loss, grads = jmp_amp.scaled_value_and_grad(
-          lambda p: poisoned_loss(nnx.merge(graphdef, p, rest), batch))(
-              optimizer.opt_state, params)
-      optimizer.update(model, grads)
-      return loss
-    run = lambda factor: step(model, opt, (TOKENS, jnp.float32(factor)))
+  step = hand_written_step("mixed_float16", poisoned_loss)
+  run = lambda factor: step(model, opt, (TOKENS, jnp.float32(factor)))
   for _ in range(6):  # past float16's first backoffs
     run(1.0)
+  skips_bitwise(model, opt, lambda: run(np.inf))
+
+
+def skips_bitwise(model, opt, run):
+  """`run()`, a non-finite step, halves the scale and changes nothing else."""
   scaling = lambda: helpers.pure(jmp_amp.get_scaling_state(opt.opt_state))
   scale, steps = float(scaling().loss_scale.loss_scale), int(scaling().steps)
   copy = lambda: jax.tree.map(np.array, (helpers.pure(nnx.state(model)),
                                          scaling().inner_state))
   before = copy()
-  run(np.inf)
+  run()
   state = scaling()
   assert not bool(state.grads_finite) and int(state.steps) == steps + 1
   assert float(state.loss_scale.loss_scale) == scale / 2
@@ -391,21 +438,15 @@ def test_an_overflowing_float16_step_is_skipped_bitwise(how):
 
 
 # --------------------------------------------------------------------------
-# Telemetry, find_nonfinite and checkpoints on the scanned, rematerialised
-# model.
+# Telemetry (of the bfloat16 training above) and find_nonfinite on the
+# scanned, rematerialised model.
 
 BLOCK_MODULES = ("attn", "attn/q", "attn/k", "attn/v", "attn/o", "attn_norm",
                  "mlp", "mlp/gate", "mlp/up", "mlp/down", "mlp_norm")
 
 
-@pytest.mark.slow  # a train-step compile: ~15-40 s
-@pytest.mark.parametrize("scan", [
-    True,
-    False], ids=["scanned", "unscanned"])
-def test_telemetry_has_every_module_of_every_block(scan):
-  model, opt = setup("mixed_bfloat16", scan=scan)
-  step = jmp_amp.flax.make_train_step(loss_fn, numerics="**")
-  stats = jax.device_get(step(model, opt, TOKENS)["numerics"])
+def check_telemetry(stats):
+  """Every module of every block of the scanned stack has its entries."""
   for i in range(LAYERS):
     for module in BLOCK_MODULES:
       entry = stats.get(f"blocks/{i}/{module}")
@@ -439,10 +480,11 @@ def overflowing_block_1(scan, remat):
   return model, rules
 
 
+# Without remat, the unscanned model's blocks are plain modules, as the
+# models of tests/test_numerics.py are.
 @pytest.mark.slow  # op by op, forward and backward: ~10-30 s
-@pytest.mark.parametrize("scan,remat", [(False, None), (False, REMAT),
-                                        (True, REMAT)],
-                         ids=["unscanned", "unscanned-remat", "scanned-remat"])
+@pytest.mark.parametrize("scan,remat", [(False, REMAT), (True, REMAT)],
+                         ids=["unscanned-remat", "scanned-remat"])
 def test_find_nonfinite_names_the_block(scan, remat):
   model, rules = overflowing_block_1(scan, remat)
   report = jmp_amp.numerics.find_nonfinite(loss_fn, model, TOKENS,
@@ -460,25 +502,3 @@ def test_find_nonfinite_names_the_block(scan, remat):
   assert report.fixed is False
   assert "carry" in report.reason and "float32" in report.reason
   assert "could not be applied" in str(report)
-
-
-@pytest.mark.slow  # a train-step compile: ~15-40 s
-@pytest.mark.parametrize("mode", ["mixed_float16", "float8-delayed",
-                                  "state16"])
-def test_a_checkpoint_resumes_bitwise(tmp_path, mode):
-  checkpoint = pytest.importorskip("jmp_amp.checkpoint")
-  model, opt = setup(mode)
-  step = jmp_amp.flax.make_train_step(loss_fn)
-  for i in range(3):
-    step(model, opt, BATCHES[i])
-  checkpoint.save(tmp_path, {"model": model, "opt": opt}, step=3)
-  restored, restored_opt = setup(mode, seed=1)
-  checkpoint.restore(tmp_path, {"model": restored, "opt": restored_opt})
-  state = lambda *xs: helpers.pure(nnx.state(xs))
-  assert helpers.tree_bytes_equal(state(restored, restored_opt),
-                                  state(model, opt))
-  for i in range(3, 6):
-    assert helpers.tree_bytes_equal(step(restored, restored_opt, BATCHES[i]),
-                                    step(model, opt, BATCHES[i]))
-  assert helpers.tree_bytes_equal(state(restored, restored_opt),
-                                  state(model, opt))
