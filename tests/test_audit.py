@@ -14,8 +14,8 @@ import pytest
 
 import jmp_amp
 from jmp_amp import matmul_report
+from jmp_amp.tools import fp8_layers
 from jmp_amp.tools import MatmulReport
-from jmp_amp.tools import report as report_lib
 from jmp_amp.tools.report import MatmulRecord
 
 BF16 = jnp.bfloat16
@@ -466,7 +466,7 @@ def test_fp8_gemms_of_a_real_h200_program():
   assert report.stage == "compiled" and len(report) == 8
   assert {r.target for r in report} == {"__cublas$lt$matmul$f8"}
   assert report.counts_by_signature() == row["gemms"]
-  assert all(report_lib.is_fp8_signature(s) for s in row["gemms"])
+  assert all(fp8_layers.is_fp8_signature(s) for s in row["gemms"])
   # Three FP8 layers, each with its forward and gradient GEMMs (the first
   # layer's input gets no gradient): 3 + 3 + 2.
   assert sorted(sum(ops.values()) for ops in report.fp8_layers().values()

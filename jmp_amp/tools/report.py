@@ -33,6 +33,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 from jmp_amp.tools import element_types
+from jmp_amp.tools import fp8_layers
 from jmp_amp.tools import fused_attention
 from jmp_amp.tools import hlo_text
 from jmp_amp.tools import mlir_locations
@@ -256,29 +257,10 @@ class MatmulReport(Sequence[MatmulRecord]):
     Returns:
       ``{layer path: reason}``.
     """
-    found = self.fp8_layers()
-    want = {} if expected is None else expected.fp8_layers()
-    short = {layer: (sum(want[layer].values()),
-                     sum(found.get(layer, {}).values()))
-             for layer in want}
-    short = {k: v for k, v in short.items() if v[1] < v[0]}
-    merged_into_fp8 = bool(short) and _fp8_flops_cover(self, expected)
-    out = {}
-    for layer in list(want) + [k for k in found if k not in want]:
-      sigs = found.get(layer, {})
-      total = sum(sigs.values())
-      bad = {s: n for s, n in sigs.items() if not is_fp8_signature(s)}
-      reasons = []
-      if bad:
-        reasons.append(f"{sum(bad.values())} of {total} ops not FP8 (" +
-                       ", ".join(f"{n} x {s}" for s, n in bad.items()) + ")")
-      if layer in short and not merged_into_fp8:
-        asked, got = short[layer]
-        reasons.append(f"{asked} matmuls asked for, {got} compiled (merged "
-                       "into a GEMM that is not FP8, or removed)")
-      if reasons:
-        out[layer] = "; ".join(reasons)
-    return out
+    return fp8_layers.fallbacks(
+        self.fp8_layers(), self.records,
+        None if expected is None else expected.fp8_layers(),
+        None if expected is None else expected.records)
 
   def summary(self) -> dict[str, Any]:
     """Counts and FLOPs at a glance.
@@ -320,39 +302,6 @@ class MatmulReport(Sequence[MatmulRecord]):
         f"{k}: {v:,} ({100 * v / total:.1f}%)"
         for k, v in self.flops_by_input_dtype().items()))
     return "\n".join(lines)
-
-
-def _layer_flops(report: MatmulReport, fp8_only: bool
-                 ) -> Optional[dict[str, int]]:
-  """FLOPs of each FP8 layer's ops (with FP8 operands only, if `fp8_only`);
-  None if one is unknown."""
-  out: dict[str, int] = collections.defaultdict(int)
-  for r in report.records:
-    if r.fp8_layer is not None and (
-        not fp8_only or is_fp8_signature(r.signature)):
-      if r.flops is None:
-        return None
-      out[r.fp8_layer] += r.flops
-  return out
-
-
-def _fp8_flops_cover(compiled: MatmulReport, lowered: MatmulReport) -> bool:
-  """Whether the FP8 FLOPs that some layers gained in `compiled` (over the
-  matmuls `lowered` asks of them) account for all that the others lost:
-  their GEMMs were merged into FP8 GEMMs."""
-  got = _layer_flops(compiled, fp8_only=True)
-  asked = _layer_flops(lowered, fp8_only=False)
-  if got is None or asked is None:
-    return False
-  layers = set(got) | set(asked)
-  gained = sum(max(0, got[k] - asked[k]) for k in layers)
-  lost = sum(max(0, asked[k] - got[k]) for k in layers)
-  return gained >= lost
-
-
-def is_fp8_signature(signature: str) -> bool:
-  lhs, rhs = signature.split(" -> ")[0].split(" x ")
-  return lhs.startswith("float8") and rhs.startswith("float8")
 
 
 def _fmt_shape(shape: Shape) -> str:

@@ -23,7 +23,7 @@ import optax
 
 import jmp_amp
 from jmp_amp.tools import audit
-from jmp_amp.tools import report as report_lib
+from jmp_amp.tools import fp8_layers
 from jmp_amp.tools.bench import workloads
 
 
@@ -60,7 +60,7 @@ def fp8_check(name: str, compiled_report, asked_report) -> Optional[str]:
     # Fused attention calls are no GEMMs: autocast keeps attention half.
     bad = {s: n for s, n in compiled_report.counts_by_signature().items()
            if not s.startswith("attention ")
-           and not report_lib.is_fp8_signature(s)}
+           and not fp8_layers.is_fp8_signature(s)}
     if bad or not len(compiled_report):
       return ("not every GEMM is FP8: " + (", ".join(
           f"{n} x {s}" for s, n in bad.items()) or "no GEMM"))
