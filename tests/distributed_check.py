@@ -44,6 +44,8 @@ import signal
 import sys
 import time
 
+import simulated_devices
+
 
 def parse_args(argv):
   p = argparse.ArgumentParser()
@@ -66,11 +68,7 @@ def parse_args(argv):
 ARGS = parse_args(sys.argv[1:])
 # Every program at XLA:CPU's backend level 0 (FAST_COMPILE's, below): the
 # inits, gathers and checkpoints' copies too, in every process alike.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={ARGS.local_devices}"
-    + " --xla_backend_optimization_level=0")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulated_devices.simulate(ARGS.local_devices)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax

@@ -22,15 +22,10 @@ import sys
 import tempfile
 import traceback
 
+import simulated_devices
+
 NUM_DEVICES = 8
-# XLA:CPU's backend at optimisation level 0 (as the tests' FAST_COMPILE):
-# these small programs compile in about half the time. Every run and its
-# one-device reference compile alike.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
-    + " --xla_backend_optimization_level=0")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+simulated_devices.simulate(NUM_DEVICES)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import functools

@@ -22,8 +22,9 @@ Checks, each against the same computation on one device without a mesh:
 """
 
 import json
-import os
 import sys
+
+import simulated_devices
 
 NUM_DEVICES = 8
 STEPS = 3
@@ -257,14 +258,7 @@ def check_nnx_layers(results):
 
 
 def main():
-  # XLA:CPU's backend at optimisation level 0 (as the tests' FAST_COMPILE):
-  # these small programs compile in about half the time; every run and its
-  # one-device reference compile alike.
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "")
-      + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
-      + " --xla_backend_optimization_level=0")
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  simulated_devices.simulate(NUM_DEVICES)
   # pylint: disable=g-import-not-at-top,global-statement
   global jax, jnp, np, nnx, P, AxisType, jmp_amp
   from flax import nnx
