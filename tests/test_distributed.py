@@ -4,12 +4,12 @@ and checkpoints agree on every process.
 `distributed_check.py` runs as N processes on localhost
 (`jax.distributed.initialize`, gloo CPU collectives, L simulated devices each,
 one global mesh), and once as a single process holding N x L devices, the
-reference. Each process writes what it saw; these tests compare. The fast
-suite runs 2 processes x 2 devices (the MLP data-parallel under float16
-dynamic loss scaling and FSDP-sharded under bfloat16, checkpoint and resume,
-a process killed mid-save, an FP8 MLP); the slow suite runs each model
-(the GPT too), layout and precision with one device per process (bitwise
-against one process), and 4 processes.
+reference. Each process writes what it saw; these tests compare. Every
+test here is slow (several processes, each compiling): 2 processes x 2
+devices (the MLP data-parallel under float16 dynamic loss scaling and
+FSDP-sharded under bfloat16, checkpoint and resume, a process killed
+mid-save, an FP8 MLP); each model (the GPT too), layout and precision with
+one device per process (bitwise against one process); and 4 processes.
 
 Every launch has a deadline; a process that fails or is killed takes the
 others down with it (a peer blocked in a collective would wait for it), so a
@@ -30,6 +30,8 @@ import filelock
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # several processes: ~4 min of CPU in all
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "distributed_check.py")
 ROOT = os.path.dirname(os.path.dirname(SCRIPT))
@@ -38,8 +40,8 @@ SLOW_TIMEOUT = 900  # the slow runs' launches: 3 cases, up to 4 processes
 GRACE = 5  # seconds the others get once one process has died
 FAULT_STEPS = (1, 4)
 STEPS = 6
-# The fast suite: both layouts, both precisions, on the MLP (the GPT compiles
-# for twice as long; it runs in the slow suite).
+# 2 processes x 2 devices: both layouts, both precisions, on the MLP (the
+# GPT compiles for twice as long; it runs with one device per process).
 FAST_CASES = ("mlp-dp-fp16", "mlp-fsdp-bf16")
 # One device per process: each model, layout and precision once (with the
 # four processes' cases, every pair of model and layout, and of model and
@@ -330,7 +332,6 @@ def two_explicit(tmp_path_factory):
       out, 2, 2, FAST_CASES, FAST_CASES, extra=("--explicit",)))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", FAST_CASES)
 def test_explicit_mesh_across_processes(two_explicit, case):
   # bf16 (FSDP) and float16 with loss scaling (data parallel) over an
@@ -469,7 +470,6 @@ def slow_runs(tmp_path_factory):
   return _shared_run(tmp_path_factory, "slow", runs)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ONE_CASES + (FP8_CASE,))
 def test_one_device_per_process_is_bitwise_the_single_process_run(
     slow_runs, case):
@@ -482,7 +482,6 @@ def test_one_device_per_process_is_bitwise_the_single_process_run(
     assert runs[0][0]["fp8_histories"] == ref_record["fp8_histories"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", FOUR_CASES)
 def test_four_processes(slow_runs, case):
   out = os.path.join(slow_runs, "four")

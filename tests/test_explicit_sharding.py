@@ -2,8 +2,8 @@
 
 `explicit_sharding_check.py` runs on 8 simulated CPU devices in its own
 process (the device count must be set before JAX initialises); these tests
-assert on the JSON it prints. One run serves the fast tests, another the
-slow ones.
+assert on the JSON it prints. Every test here is slow (a process of its own
+on 8 devices); one run serves the first checks, another the longer ones.
 """
 
 import os
@@ -19,6 +19,8 @@ import jmp_amp
 from jmp_amp import checkpoint
 from jmp_amp import models
 import jmp_amp.flax
+
+pytestmark = pytest.mark.slow  # two processes on 8 devices: ~2.5 min
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "explicit_sharding_check.py")
@@ -92,7 +94,6 @@ def test_trajectories_match_one_device(results):
       "traj/fp16_dynamic/train_by_hand/2x4/tp"]
 
 
-@pytest.mark.slow
 def test_more_trajectories_match_one_device(slow_results):
   # bf16 on meshes (8,) FSDP and (2, 4) with Auto axes; 16-bit optimizer
   # state (stochastic rounding) FSDP; float16 with a dynamic loss scale data
@@ -116,7 +117,6 @@ def test_more_trajectories_match_one_device(slow_results):
     assert len(runs) == 2 + 7
 
 
-@pytest.mark.slow
 def test_row_parallel_layers_through_policies_and_autocast(slow_results):
   results = slow_results
   # A user's Megatron MLP (Flax sharding metadata, out_sharding in its
@@ -175,7 +175,6 @@ def test_checkpoint_from_eight_devices_restores_on_one(results, saved_dir):
       jax.devices()[0]}
 
 
-@pytest.mark.slow
 def test_linen_train_step(slow_results):
   results = slow_results
   run = _get(results, "linen")
@@ -184,7 +183,6 @@ def test_linen_train_step(slow_results):
   assert run["spec"] == [None, "tensor"]
 
 
-@pytest.mark.slow
 def test_telemetry_and_find_nonfinite(slow_results):
   results = slow_results
   run = _get(results, "telemetry")

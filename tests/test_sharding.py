@@ -11,6 +11,8 @@ import pytest
 
 import helpers
 
+pytestmark = pytest.mark.slow  # a process of its own on 8 devices: ~45 s
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "sharded_check.py")
 TOLERANCE = 1e-5
