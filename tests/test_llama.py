@@ -250,8 +250,13 @@ def setup(mode, scan=True, remat=REMAT, seed=0):
   if state16:
     tx = optax.chain(jmp_amp.optim.compress_state(tx),
                      jmp_amp.optim.low_precision_params())
-  return model, nnx.Optimizer(model, jmp_amp.loss_scaling(tx, scale()),
-                              wrt=nnx.Param)
+  opt = nnx.Optimizer(model, jmp_amp.loss_scaling(tx, scale()),
+                      wrt=nnx.Param)
+  # Committed to the device, as a restored checkpoint's arrays are: jit
+  # keys its programs on that, and resumes_bitwise's steps reuse one.
+  nnx.update((model, opt), jax.device_put(nnx.state((model, opt)),
+                                          jax.devices()[0]))
+  return model, opt
 
 
 def trajectory(mode, steps=STEPS, numerics=None):
