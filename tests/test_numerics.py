@@ -53,8 +53,10 @@ def _gpt():
 
 
 def _resnet():
-  model = models.ResNet((1, 1), base_width=4, num_classes=3,
-                        rngs=nnx.Rngs(0))
+  # Two blocks of one stage, one width: fewer distinct shapes than two
+  # stages, so fewer ops for the localiser's replay to compile (a case
+  # took a third less).
+  model = models.ResNet((2,), base_width=4, num_classes=3, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
   labels = jnp.array([0, 2])
   return model, (lambda m, b: models.cross_entropy_loss(
@@ -81,6 +83,17 @@ FAULTS = [(kind, backward) for kind in ("overflow", "nan")
           for backward in (False, True)]
 FAST = {("mlp", "layers/1", "overflow", False), ("mlp", "layers/2", "nan",
                                                    True)}
+# The fault each GPT and ResNet site goes without: a case of theirs compiles
+# the model twice (the localiser's capture run, the re-run with the rule),
+# seconds each; an MLP's compiles take a fraction of one. Each site keeps
+# both kinds and both directions, and each model, its sites together, all
+# four faults: 3 x 4 + 6 x 3 = 30 faults.
+LEFT_OUT = {("gpt", "blocks/0/attn"): ("overflow", True),
+            ("gpt", "blocks/1/attn/qkv"): ("nan", False),
+            ("gpt", "blocks/0/mlp/fc"): ("nan", True),
+            ("resnet", "stem"): ("nan", True),
+            ("resnet", "blocks/1/conv2"): ("overflow", True),
+            ("resnet", "head"): ("nan", False)}
 
 
 def _module(model, path):
@@ -93,6 +106,8 @@ def _module(model, path):
 def _cases():
   for name, path, knob in SITES:
     for kind, backward in FAULTS:
+      if LEFT_OUT.get((name, path)) == (kind, backward):
+        continue
       marks = () if (name, path, kind, backward) in FAST else (
           pytest.mark.slow,)
       yield pytest.param(name, path, knob, kind, backward, marks=marks,
@@ -101,7 +116,14 @@ def _cases():
 
 
 def test_the_fault_suite_has_at_least_30_faults():
-  assert len(list(_cases())) >= 30
+  cases = [c.values for c in _cases()]
+  assert len(cases) >= 30
+  for name, path, _ in SITES:  # both kinds, both directions at every site
+    faults = {(k, b) for n, p, _, k, b in cases if (n, p) == (name, path)}
+    assert {k for k, _ in faults} == set(OP), (name, path)
+    assert {b for _, b in faults} == {False, True}, (name, path)
+  for name in MODELS:  # and every fault in every model
+    assert {(k, b) for n, _, _, k, b in cases if n == name} == set(FAULTS)
 
 
 @pytest.mark.parametrize("name,path,knob,kind,backward", list(_cases()))
