@@ -307,6 +307,31 @@ def test_key_advances_once_per_update_and_is_reproducible():
   assert np.any(bits(t1.inner_state[0].nu["w"]) != bits(s1.inner_state[0].nu["w"]))
 
 
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_init_again_after_a_step_that_donated_the_state(rounding):
+  # A user's step donates the optimizer state (as make_train_step does);
+  # initialising the same transformation again, to resume or to start a
+  # second run, gives the first init's state, not a deleted buffer.
+  params, target = problem()
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  make = lambda: optax.chain(optim.compress_state(optax.adam(0.1), seed=3),
+                            optim.low_precision_params(rounding, seed=5))
+  opt = make()
+  first = opt.init(params)
+  want = make().init(params)  # (a host copy of `first` would hide the bug)
+
+  @functools.partial(jax.jit, donate_argnums=1)
+  def step(params, state):
+    grads = quadratic_grads(jax.tree.map(lambda p: p.astype(jnp.float32),
+                                         params), target)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step(params, first)
+  assert_bitwise_equal(opt.init(params), want)
+
+
 # ---------------------------------------------------------------------------
 # loss_scaling: a skipped step changes nothing
 

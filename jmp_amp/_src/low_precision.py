@@ -306,7 +306,9 @@ def compress_state(inner: optax.GradientTransformation, *,
 
   def init_fn(params):
     state = inner.init(_to_f32(params))
-    return CompressedState(key=key0, inner_state=compress(
+    # A copy: a step that donates the state must not delete the key that
+    # every later init starts from.
+    return CompressedState(key=jnp.copy(key0), inner_state=compress(
         state, None if rounding == "nearest" else _next_seeds(key0)[1]))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -414,9 +416,10 @@ def low_precision_params(rounding: str = "stochastic", *, seed: int = 0
           "arrays), so it changes nothing; store the params in bfloat16 "
           "(jmp_amp.flax: mixed_rules(..., param=\"bfloat16\"), or a "
           "policy with p=bf16) or leave low_precision_params out", stacklevel=2)
+    key = jnp.copy(key0)  # a donated state must not delete key0
     if rounding != "kahan":
-      return LowPrecisionParamsState(key=key0, compensation=())
-    return LowPrecisionParamsState(key=key0, compensation=jax.tree.map(
+      return LowPrecisionParamsState(key=key, compensation=())
+    return LowPrecisionParamsState(key=key, compensation=jax.tree.map(
         lambda p: jnp.zeros(jnp.shape(p) if narrow(p) else (), p.dtype),
         params))
 
