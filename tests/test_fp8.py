@@ -867,16 +867,14 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
   assert float(jnp.max(flax_fp8.histories(model2)["layers/3"].grad)) > 0
 
 
-def _train_scan(model, loss_fn, batches, lr):
+def _train_scan(model, loss_fn, batches, lr, compiler_options=None):
   """Adam on `batches` (stacked), all steps in one jitted `lax.scan`."""
   opt = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
 
-  # Donated: the FP8 histories must be distinct buffers. Compiled at
-  # XLA:CPU's backend level 1, not the suite's 0 (conftest.py): a few
-  # seconds more to compile, and the hundreds of steps run 5x faster.
-  @functools.partial(jax.jit, donate_argnums=0, compiler_options={
-      "xla_backend_optimization_level": 1})
+  # Donated: the FP8 histories must be distinct buffers.
+  @functools.partial(jax.jit, donate_argnums=0,
+                     compiler_options=compiler_options)
   def train(state, batches):
     def body(state, batch):
       model, opt = nnx.merge(graphdef, state)
@@ -891,7 +889,10 @@ def _train_scan(model, loss_fn, batches, lr):
   return np.asarray(losses)
 
 
-def _train_digits(setup, steps=300):
+def _train_digits(setup, steps=150):
+  # 150 steps (300 before): float32 then scores 98 % on the held-out digits
+  # and each FP8 or bf16 run of the tests below is within 0.6 points of it
+  # (measured on x86), well inside their 1- and 2-point bounds.
   pytest.importorskip("sklearn.datasets")
   (x, y), (xt, yt) = helpers.digits()
   model = setup(models.MLP(64, 10, num_layers=3, width=128,
@@ -929,8 +930,10 @@ def _train_gpt(setup, steps=300):
                            rngs=nnx.Rngs(0)))
   tokens = np.stack([models.data.token_batch(16, seq_len=32, vocab=64,
                                              seed=i) for i in range(steps)])
+  # Compiled at XLA:CPU's backend level 1, not the suite's 0 (conftest.py):
+  # a few seconds more to compile, and the 300 steps run 5x faster.
   losses = _train_scan(model, lambda m, t: models.lm_loss(m(t), t), tokens,
-                       3e-3)
+                       3e-3, {"xla_backend_optimization_level": 1})
   return np.mean(losses[-10:]), model
 
 
