@@ -54,6 +54,7 @@ def test_fused_gpt_matches_einsum_gpt_in_float32():
   np.testing.assert_allclose(fused, einsum, atol=2e-6, rtol=0)
 
 
+@pytest.mark.slow  # two GPTs' compiles per dtype: ~10 s
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])
 def test_fused_gpt_under_a_policy_matches_float32_within_half_tolerance(half):
   ref = _logits("einsum")

@@ -62,6 +62,7 @@ def block_paths(path):
 # Policies: rules written for the unscanned model's paths.
 
 
+@pytest.mark.slow  # both models' forward passes op by op: ~30 s in all
 @pytest.mark.parametrize("rules", [
     # (A scanned block must return the dtype it takes, the scan's carry:
     # float32 here, as the embeddings under "*".)
