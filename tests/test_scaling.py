@@ -162,6 +162,24 @@ def test_noop_scale_still_skips_nonfinite(small_params):
   assert not jmp_amp.all_finite(updates)
 
 
+
+def test_init_again_after_a_step_that_donated_the_state(small_params):
+  # The user's scale holds a device array; their step donates the state (as
+  # make_train_step does). Initialising again, to resume or to start a
+  # second run, starts from that scale, not from a deleted buffer.
+  scale = jmp_amp.DynamicLossScale(jnp.asarray(2.0**15))
+  tx = jmp_amp.loss_scaling(optax.sgd(0.1), scale)
+
+  @functools.partial(jax.jit, donate_argnums=1)
+  def step(params, state):
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step(small_params, tx.init(small_params))
+  assert float(tx.init(small_params).loss_scale.loss_scale) == 2.0**15
+  assert float(scale.loss_scale) == 2.0**15
+
 def test_half_gradients_are_unscaled_in_float32():
   # Unscaling a float16 gradient happens in float32 and rounds once, back to
   # the gradient's own dtype (2**-20 is a float16 subnormal).

@@ -287,7 +287,9 @@ def loss_scaling(inner: optax.GradientTransformation,
 
   def init_fn(params):
     state = LossScalingState(
-        loss_scale=jax.tree.map(jnp.asarray, loss_scale),
+        # Copies: a step that donates the state must not delete the
+        # caller's scale, which every later init starts from.
+        loss_scale=jax.tree.map(jnp.array, loss_scale),
         inner_state=inner.init(params),
         grads_finite=jnp.array(True),
         skipped_steps=jnp.zeros([], jnp.int32),
