@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -16,6 +17,7 @@ from jmp_amp.tools import gpu_target
 from jmp_amp.tools.bench import cli
 from jmp_amp.tools.bench import gpu
 from jmp_amp.tools.bench import table
+from jmp_amp.tools.bench import timing
 from jmp_amp.tools.bench import workloads
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -236,7 +238,14 @@ def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
       tmp_path, ("float32: compiled in ", "compiling mixed_bfloat16 (2/2)",
                  "timing repeat 1/1 of 2 mode(s)",
                  "mixed_bfloat16: median step "),
-      _env(COLUMNS="80"))
+      _env(COLUMNS="80", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1"))
+  # A user's persistent compilation cache neither serves nor keeps the
+  # bench's programs: its "compile s" are cold compiles.
+  cached = tmp_path / "xla"
+  assert not cached.exists() or not any(cached.iterdir()), list(
+      cached.iterdir())
   lines = out.splitlines()
   assert "step ms" in out and "Verdict: " in out
   assert max(len(line) for line in lines) <= 80, out
@@ -608,3 +617,32 @@ def test_verdict_names_a_winner_beyond_the_spread_and_its_ties():
   alone = table.verdict([_timed("float32", 1.0, 0.0),
                          _timed("mixed_bfloat16", 0.5, 0)])
   assert alone.startswith("Verdict: no JAX mode is faster than float32;")
+
+
+def test_cold_compiles_bypass_the_persistent_cache_and_restore_it():
+  # The suite runs with a persistent compilation cache that keeps every
+  # program (conftest.py), and this process has compiled before: JAX has
+  # decided to use the cache already.
+  if (jax.config.jax_compilation_cache_dir is None
+      or jax.config.jax_persistent_cache_min_compile_time_secs > 0
+      or jax.config.jax_persistent_cache_min_entry_size_bytes > 0):
+    pytest.skip("needs conftest.py's cache, which keeps every program")
+  cache = pathlib.Path(jax.config.jax_compilation_cache_dir)
+  jax.jit(lambda x: x + 1)(jnp.ones(3))
+
+  def written(name, before):
+    return {p.name for p in cache.iterdir()
+            if p.name.startswith(f"jit_{name}-")} - before
+
+  def timed_by_the_bench(x):
+    return x * 3.0
+
+  def compiled_after(x):
+    return x * 5.0
+
+  before = set(os.listdir(cache))
+  with timing.cold_compiles():
+    jax.jit(timed_by_the_bench)(jnp.ones(3)).block_until_ready()
+  assert not written("timed_by_the_bench", before)  # compiled, not kept
+  jax.jit(compiled_after)(jnp.ones(3)).block_until_ready()
+  assert written("compiled_after", before)  # the cache is on again

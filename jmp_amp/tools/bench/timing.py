@@ -10,6 +10,7 @@ steps, loss scale, matmul dtypes, TFLOP/s).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -18,6 +19,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import optax
 
@@ -71,6 +73,26 @@ def fp8_check(name: str, compiled_report, asked_report) -> Optional[str]:
   if fallbacks:
     return "; ".join(f"{layer}: {why}" for layer, why in fallbacks.items())
   return None
+
+
+@contextlib.contextmanager
+def cold_compiles():
+  """Every compile inside is cold, and the timings say what a compile costs.
+
+  With JAX's persistent compilation cache on (``JAX_COMPILATION_CACHE_DIR``,
+  a cluster's default, a test run's), a program compiled before would be
+  read from disk and timed as "compile s". JAX decides whether to use the
+  cache once per process, at its first compile, so turning the option off
+  takes a reset too; both are undone on exit.
+  """
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", was)
+    compilation_cache.reset_cache()
 
 
 @dataclasses.dataclass
