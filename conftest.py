@@ -15,6 +15,8 @@ gpu-audit`` blocks are.
 
 import functools
 import os
+import shutil
+import tempfile
 
 # Every program the tests compile on XLA:CPU is compiled at backend
 # optimisation level 0 (set before JAX starts its backend; subprocesses
@@ -26,6 +28,20 @@ import os
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, (
       os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0")))
+
+# One persistent compilation cache for the run, shared by the xdist workers
+# and the subprocesses the tests start (they inherit the environment): a
+# program that several tests compile (the same model, step and shapes)
+# compiles once; the fast suite's CPU time fell by about 10 %. The cache is
+# a fresh directory each run, removed at its end, so no run reads another
+# run's programs; the benchmark tools turn it off for their own timed
+# compiles. A JAX_COMPILATION_CACHE_DIR already set is left as it is.
+_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _XLA_CACHE = tempfile.mkdtemp(prefix="jmp-amp-tests-xla-")
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
@@ -67,3 +83,9 @@ def pytest_collection_modifyitems(items):
     if (dtest is not None and "needs the ``gpu-audit`` extra"
         in (dtest.docstring or "") and _no_h100_target()):
       item.add_marker(pytest.mark.skip(reason=_no_h100_target()))
+
+
+def pytest_unconfigure(config):
+  del config
+  if _XLA_CACHE is not None:  # this process made it: the run is over
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
