@@ -86,6 +86,16 @@ def test_clipping_sees_unscaled_gradients(small_params):
       updates, jax.tree_util.tree_map(lambda g: -g, grads), rtol=1e-6)
 
 
+@functools.cache
+def _scaled_update(name):
+  """`name`'s optimizer under loss scaling and alone, with their updates
+  jitted: one compile each serves every example of the property below."""
+  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](),
+                             jmp_amp.DynamicLossScale(2.0**4, period=2))
+  inner = OPTIMIZERS[name]()
+  return opt, jax.jit(opt.update), inner, jax.jit(inner.update)
+
+
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.sampled_from(["finite", "inf", "nan"]), min_size=1,
@@ -93,12 +103,9 @@ def test_clipping_sees_unscaled_gradients(small_params):
        st.sampled_from(list(OPTIMIZERS)))
 def test_trajectory_equals_inner_run_that_omits_bad_steps(kinds, name):
   params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}
-  opt = jmp_amp.loss_scaling(OPTIMIZERS[name](),
-                             jmp_amp.DynamicLossScale(2.0**4, period=2))
-  inner = OPTIMIZERS[name]()
+  opt, update, inner, inner_update = _scaled_update(name)
   p, state = params, opt.init(params)
   q, inner_state = params, inner.init(params)
-  update = jax.jit(opt.update)
   for i, kind in enumerate(kinds):
     g = {"w": jnp.full((2, 3), 0.1 * (i + 1)) * q["w"]}
     scale = jmp_amp.get_scaling_state(state).loss_scale.loss_scale
@@ -107,7 +114,7 @@ def test_trajectory_equals_inner_run_that_omits_bad_steps(kinds, name):
       bad = jnp.inf if kind == "inf" else jnp.nan
       scaled = {"w": scaled["w"].at[0, 0].set(bad)}
     else:
-      u, inner_state = inner.update(g, inner_state, q)
+      u, inner_state = inner_update(g, inner_state, q)
       q = optax.apply_updates(q, u)
     u, state = update(scaled, state, p)
     p = optax.apply_updates(p, u)
