@@ -35,11 +35,14 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # compiles once; the fast suite's CPU time fell by about 10 %. The cache is
 # a fresh directory each run, removed at its end, so no run reads another
 # run's programs; the benchmark tools turn it off for their own timed
-# compiles. A JAX_COMPILATION_CACHE_DIR already set is left as it is.
+# compiles. A size limit turns on the cache's file lock, so that no process
+# reads an entry another is still writing. A JAX_COMPILATION_CACHE_DIR
+# already set is left as it is.
 _XLA_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _XLA_CACHE = tempfile.mkdtemp(prefix="jmp-amp-tests-xla-")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE,
+                    JAX_COMPILATION_CACHE_MAX_SIZE=str(2 * 2**30),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
