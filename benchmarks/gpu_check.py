@@ -289,7 +289,8 @@ def run_workload(model_name, names, sizes, steps, repeats, out_path,
       if model_name == "llama":
         import llama_bench
         emit(llama_bench.memory_fit(name, step, p["state"], batches[0],
-                                    sizes, memory_limit, options, _memory))
+                                    sizes, memory_limit, options, _memory,
+                                    compiled))
     except Exception as e:  # pylint: disable=broad-except
       prepared.pop(name, None)
       emit(dict(workload=model_name, mode=name, event="failed",

@@ -100,14 +100,17 @@ def largest_batch(fits: Callable[[int], bool], start: int, cap: int
 def memory_fit(name: str, step: Any, state: Any, batch: Any,
                sizes: dict[str, Any], memory_limit: Optional[int],
                options: Optional[dict[str, Any]],
-               memory_of: Callable[[Any], Optional[int]]) -> dict[str, Any]:
+               memory_of: Callable[[Any], Optional[int]],
+               compiled: Any = None) -> dict[str, Any]:
   """A mode's device peak (its process runs it alone) and its largest batch.
 
   The largest batch is the largest power of two from ``sizes["batch_size"]``
   up to ``sizes["max_batch"]`` whose step (`step` lowered on `state` and a
   batch of that size, compiled, not run) takes at most `memory_limit` bytes
   by ``memory_of(compiled)``: the device's limit by default; a CPU has none,
-  and the search is skipped there unless a limit is given.
+  and the search is skipped there unless a limit is given. `compiled`, the
+  step already compiled for `batch` (the mode's timed step), gives that
+  batch size's bytes without compiling it again.
 
   Returns:
     The gpu_check record: ``peak_bytes``, ``largest_batch`` and the bytes
@@ -119,16 +122,19 @@ def memory_fit(name: str, step: Any, state: Any, batch: Any,
   used = {}
 
   def fits(batch_size):
+    if compiled is not None and batch_size == batch[0].shape[0]:
+      used[batch_size] = memory_of(compiled)
+      return used[batch_size] is not None and used[batch_size] <= limit
     shape = jax.ShapeDtypeStruct((batch_size,) + batch[0].shape[1:],
                                  batch[0].dtype)
     try:
-      compiled = step.lower(state, (shape, shape)).compile(
+      program = step.lower(state, (shape, shape)).compile(
           compiler_options=options or None)
     except Exception as e:  # pylint: disable=broad-except
       if "RESOURCE_EXHAUSTED" in str(e):
         return False
       raise
-    used[batch_size] = memory_of(compiled)
+    used[batch_size] = memory_of(program)
     return used[batch_size] is not None and used[batch_size] <= limit
 
   largest = None if limit is None else largest_batch(

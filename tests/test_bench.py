@@ -226,18 +226,19 @@ def _run_piped(argv, cwd, expected, env):
 def test_module_entry_point_in_a_pipe_fits_80_columns_with_progress(tmp_path):
   # In .ci/run's bench step (#48; #35 had it in the default run): the CLI
   # as a user pipes it (`| tee`, CI), at 80 columns: progress on stderr
-  # while it runs, only the report on stdout.
+  # while it runs, one line per mode as it starts and ends, only the report
+  # on stdout. The GPT workload: its one run through the CLI.
   # From a directory holding its own models.py: the bench must use
   # jmp_amp.models, never a top-level `models` found in the current directory.
   (tmp_path / "models.py").write_text(
       "raise ImportError('the user project models.py was imported')\n")
-  flags = [f for f in TINY if f != "--no-progress"]
   out = _run_piped(
-      [*flags, "--policy", "float32", "--policy", "mixed_bfloat16",
-       "--repeats", "1"],
-      tmp_path, ("float32: compiled in ", "compiling mixed_bfloat16 (2/2)",
-                 "timing repeat 1/1 of 2 mode(s)",
-                 "mixed_bfloat16: median step "),
+      ["--model", "gpt", "--policy", "float32", "--policy", "mixed_bfloat16",
+       "--batch-size", "2", "--batches", "1", "--epochs", "2", "--warmup",
+       "1", "--repeats", "1"], tmp_path,
+      ("float32: compiled in ", "compiling mixed_bfloat16 (2/2)",
+       "mixed_bfloat16: compiled in ", "timing repeat 1/1 of 2 mode(s)",
+       "float32: median step ", "mixed_bfloat16: median step "),
       _env(COLUMNS="80", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1"))
@@ -401,15 +402,17 @@ def test_failing_mode_is_reported_in_full_and_others_still_run(
 
 
 @pytest.mark.bench
-def test_isolated_modes_match_in_process_and_keep_their_own_memory(tmp_path):
+def test_isolated_modes_match_in_process_and_keep_their_own_memory(
+    tmp_path, tiny_runs):
   flags = [*TINY, "--policy", "mixed_float16", "--policy", "float32",
            "--repeats", "1"]
-  isolated, in_process, alone = (tmp_path / n for n in ("i", "p", "a"))
+  isolated, in_process = tmp_path / "i", tmp_path / "p"
   assert cli.main([*flags, "--isolate", "yes", "--json", str(isolated)]) == 0
   assert cli.main([*flags, "--isolate", "no", "--json", str(in_process)]) == 0
-  assert cli.main([*TINY, "--policy", "float32", "--repeats", "1",
-                     "--json", str(alone)]) == 0
-  iso, inp, one = _read(isolated), _read(in_process), _read(alone)
+  iso, inp = _read(isolated), _read(in_process)
+  # float32 alone: the default run's first mode, nothing ran before it.
+  one = [r for r in tiny_runs[1] if r["mode"] == "float32"]
+  assert tiny_runs[1][0] is one[0]
   assert [r["isolated"] for r in iso] == [True, True]
   assert [r["final_loss"] for r in iso] == [r["final_loss"] for r in inp]
   # float32's peak after mixed_float16 ran is float32's own: none inherited.
@@ -514,20 +517,6 @@ def test_verdict_claims_nothing_when_no_mode_ran():
   failed = dict(mode="float32", framework="jax", status="failed",
                 error="MemoryError: simulated")
   assert table.verdict([failed]) == "Verdict: 1 failed (float32)."
-
-
-@pytest.mark.bench
-def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
-  # Pipes for stdout and stderr, as in CI or `| tee`: one line per mode as it
-  # starts and ends, on stderr, while the bench runs.
-  out = _run_piped(
-      ["--model", "gpt", "--policy", "float32", "--policy", "mixed_bfloat16",
-       "--batch-size", "2", "--batches", "1", "--epochs", "2", "--warmup",
-       "1", "--repeats", "1"], tmp_path,
-      ("float32: compiled in ", "compiling mixed_bfloat16 (2/2)",
-       "mixed_bfloat16: compiled in ", "timing repeat 1/1 of 2 mode(s)",
-       "float32: median step ", "mixed_bfloat16: median step "), _env())
-  assert "Verdict: " in out
 
 
 def _h100_rows():

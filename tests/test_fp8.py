@@ -938,21 +938,16 @@ def _train_gpt(setup, steps=300):
 
 
 @pytest.mark.slow
-def test_fp8_gpt_final_loss_within_10_percent_of_bf16():
-  # bf16 model vs the same model with the default FP8 rules (6 of its 8
-  # Linear layers in FP8), same data and steps. Both end near 0.07 (from
-  # ln 64 = 4.2): the FP8 run was 3.7 % above bf16 on one x86 machine and
-  # under 3 % on another (XLA:CPU rounds per CPU); 10 % leaves that margin.
-  # The rowwise recipe on the same GPT, against the same bf16 run (one
-  # reference for both), ends within 2 %.
+def test_rowwise_fp8_gpt_final_loss_within_2_percent_of_bf16():
+  # bf16 model vs the same model with rowwise FP8 on every Linear layer but
+  # the first and last (6 of its 8), same data and steps: from ln 64 = 4.2
+  # bf16 ends near 0.07, rowwise within 2 % of it (-0.6 % measured; 3.4 %
+  # after 150 or 200 steps, so the 300 steps stay). The default rules'
+  # current scaling on this GPT ("float8", same sizes, data and optimizer)
+  # is notebooks/04_fp8's check: within 5 % of bf16 after 250 steps.
   example = (jax.ShapeDtypeStruct((16, 32), jnp.int32),)
   loss_bf16, _ = _train_gpt(lambda m: m)
-  loss_fp8, model = _train_gpt(
-      lambda m: jmp_amp.flax.set_policies(m, {"*": "float8"},
-                                          example_args=example))
-  assert len(flax_fp8.histories(model)) == 6
   assert loss_bf16 < 0.1 * np.log(64), loss_bf16  # it learned the task
-  assert abs(loss_fp8 - loss_bf16) <= 0.1 * loss_bf16, (loss_bf16, loss_fp8)
   loss_row, model = _train_gpt(
       lambda m: jmp_amp.flax.set_policies(
           m, {"*": flax_fp8.FP8Policy(ROWWISE)}, example_args=example))

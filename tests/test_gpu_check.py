@@ -21,15 +21,21 @@ def _run(tmp_path, *argv):
   return code, json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def every_mode(tmp_path_factory):
+  """One --small run of every mode of the default workloads (mlp, gpt), the
+  torch rows where torch is installed: a process per workload, as on a GPU.
+  """
+  return _run(tmp_path_factory.mktemp("every_mode"))
+
+
 @pytest.mark.bench
-def test_small_mlp_modes_are_compiled_timed_and_audited(tmp_path):
-  # Without the torch rows, which run where torch is installed (an extra).
-  code, result = _run(tmp_path, "--workloads", "mlp", "--modes", "float32",
-                      "mixed_bfloat16", "float8-all", "--no-torch")
+def test_small_mlp_modes_are_compiled_timed_and_audited(every_mode):
+  code, result = every_mode
   assert code == 0, result
   assert result["small"] and "make_train_step" in result["compiler_options"]
-  assert {r["workload"] for r in result["rows"]} == {"mlp"}
-  rows = {r["mode"]: r for r in result["rows"]}
+  rows = {r["mode"]: r for r in result["rows"] if r["workload"] == "mlp"
+          and r["mode"] in ("float32", "mixed_bfloat16", "float8-all")}
   assert sorted(rows) == ["float32", "float8-all", "mixed_bfloat16"]
   for name, row in rows.items():
     assert row["ms_per_step"] > 0 and row["compile_s"] > 0, row
@@ -68,8 +74,8 @@ def test_summary_ratios_and_fp8_failures():
 
 
 @pytest.mark.bench
-def test_small_check_runs_every_mode_of_both_workloads(tmp_path):
-  code, result = _run(tmp_path)
+def test_small_check_runs_every_mode_of_both_workloads(every_mode):
+  code, result = every_mode
   assert code == 0, result
   check = _gpu_check()
   for workload in ("mlp", "gpt"):
@@ -146,30 +152,57 @@ def test_llama_summary_gives_the_issues_ratios():
   assert got["llama float8-rowwise speed vs torchao-float8-rowwise"] is None
 
 
-@pytest.mark.bench  # a process per mode, each compiling: ~20-60 s a mode
-def test_small_llama_modes_are_timed_and_their_largest_batch_found(tmp_path):
-  modes = ["float32", "mixed_bfloat16", "mixed_bfloat16-state16",
-           "mixed_bfloat16-telemetry"]
-  code, result = _run(tmp_path, "--workloads", "llama", "--no-torch",
-                      "--memory-limit", str(10 * 2**20), "--modes", *modes)
-  assert code == 0, result
-  rows = {r["mode"]: r for r in result["rows"] if r["workload"] == "llama"}
-  assert sorted(rows) == sorted(modes)
+# Every llama mode runs once, each in a process of its own (~20 s a mode on
+# a CPU); the largest-batch search (two more compiles) in one mode only.
+LIMIT = 10 * 2**20  # the bytes a step may take in the search
+SEARCHED = "mixed_bfloat16-state16"  # its point: a larger batch
+
+
+@pytest.fixture(scope="module")
+def llama_rows(tmp_path_factory):
+  rows, codes = {}, []
+  for modes, flags in (
+      ([SEARCHED], ["--memory-limit", str(LIMIT)]),
+      ([m for m in _gpu_check().LLAMA_MODES if m != SEARCHED], [])):
+    code, result = _run(tmp_path_factory.mktemp("llama"), "--workloads",
+                        "llama", "--no-torch", "--modes", *modes, *flags)
+    codes.append(code)
+    rows.update({r["mode"]: r for r in result["rows"]
+                 if r["workload"] == "llama"})
+  return codes, rows
+
+
+@pytest.mark.bench
+def test_small_llama_modes_are_timed_and_their_largest_batch_found(
+    llama_rows):
+  codes, rows = llama_rows
+  assert codes == [0, 0], rows
+  assert sorted(rows) == sorted(_gpu_check().LLAMA_MODES)
   for row in rows.values():
     assert row["ms_per_step"] > 0 and row["compile_s"] > 0, row
     assert row["model_tflops"] > 0 and row["memory_bytes"] > 0, row
-    # Batches 2, 4, 8 compiled; memory grows with the batch.
-    used = row["memory_bytes_by_batch"]
-    assert used["2"] < used["4"], row
-    assert row["largest_batch"] == max(
-        int(b) for b, n in used.items() if n <= 10 * 2**20), row
-  losses = [r["final_loss"] for r in rows.values()]
+  # Batches 2 (the timed step's compile), 4 and 8 (the cap); memory grows
+  # with the batch.
+  row = rows[SEARCHED]
+  used = row["memory_bytes_by_batch"]
+  assert sorted(used, key=int) == ["2", "4", "8"], row
+  assert used["2"] == row["memory_bytes"] and used["2"] < used["4"], row
+  assert row["largest_batch"] == max(
+      int(b) for b, n in used.items() if n <= LIMIT), row
+  # A CPU has no memory limit: without --memory-limit, no search.
+  for name, row in rows.items():
+    if name != SEARCHED:
+      assert row["largest_batch"] is None and not row[
+          "memory_bytes_by_batch"], row
+  losses = [rows[m]["final_loss"] for m in (
+      "float32", "mixed_bfloat16", SEARCHED, "mixed_bfloat16-telemetry")]
   assert max(losses) - min(losses) < 0.05 * max(losses), losses
 
 
-@pytest.mark.bench  # a process per mode, each compiling: ~20-60 s a mode
-def test_small_llama_fp8_modes_run_with_their_default_rules(tmp_path):
-  code, result = _run(tmp_path, "--workloads", "llama", "--no-torch",
-                      "--modes", "float8", "float8-rowwise")
-  rows = {r["mode"]: r for r in result["rows"] if r["workload"] == "llama"}
-  assert code == 0 and all(r.get("ms_per_step") for r in rows.values()), rows
+@pytest.mark.bench
+def test_small_llama_fp8_modes_run_with_their_default_rules(llama_rows):
+  _, rows = llama_rows
+  for name in ("float8", "float8-rowwise"):
+    assert rows[name].get("ms_per_step"), rows[name]
+    assert rows[name]["compiler_options"] == {
+        "xla_gpu_enable_triton_gemm": False}, rows[name]
