@@ -238,12 +238,17 @@ def _blame(model: nnx.Module, loss_fn: Callable, batch: Any,
         lambda m, b: _scaled(loss_fn(m, b), loss_scale), m, (batch,))
     return loss, seen["captured"].counts
 
-  (_, counts), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  # A forward culprit needs the outputs alone: a third of the program.
+  backward = report.direction != "forward"
+  if backward:
+    (_, counts), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  else:
+    _, counts = jax.jit(f)(params)
   captured = dataclasses.replace(seen["captured"],
                                  counts=jax.device_get(counts))
   bad_grads = {key for key, e in _capture.grad_entries(
       model, grads, _selector("**"), captured, warn=False).items()
-               if int(e["grad"]["nonfinite"])}
+               if int(e["grad"]["nonfinite"])} if backward else set()
   starts = {}  # a stack's place in the call order: its first call's
   for (path, _), c in captured.counts.items():
     found = captured.stack(path)
