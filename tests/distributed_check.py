@@ -16,8 +16,10 @@ replicated, batch split) or ``fsdp`` (params and Adam moments split along
 their first dimension divisible by the device count, batch split), precision
 ``fp16`` (float16 compute, dynamic loss scaling) or ``bf16`` (bfloat16
 compute, `NoOpLossScale`: no scaling, non-finite steps still skipped). The
-case ``mlp-dp-fp8`` trains an MLP whose matmuls run in FP8 under delayed
-scaling and records its amax histories.
+case ``mlp-fsdp-fp8`` trains an MLP whose matmuls run in FP8 under delayed
+scaling and records its amax histories. A case ending in ``-explicit``
+(``mlp-dp-fp16-explicit``) runs on the same mesh with its axis `Explicit`,
+under `jax.set_mesh`.
 
 Faults: on steps `FAULT_STEPS` the last process puts a NaN in the per-example
 weight of the first example it holds (its own shard of the global batch, built
@@ -33,7 +35,8 @@ itself once step 2's temporary directory exists; ``--then after-kill`` (in a
 fresh run) reads what is left. ``--then disagree`` starts process 0 with a
 loss scale of 2**15 and the others with 2**10, and records what a save, a
 linen train step and an NNX train step on that state say, and what the
-optimizer's `init` says outside jit.
+optimizer's `init` says outside jit. ``--then`` may be given more than
+once: its scenarios run in that order.
 """
 
 import argparse
@@ -53,15 +56,14 @@ def parse_args(argv):
   p.add_argument("--num-processes", type=int, default=1)
   p.add_argument("--local-devices", type=int, required=True)
   p.add_argument("--out", required=True)
-  p.add_argument("--then", default=None, choices=("kill", "after-kill",
-                                                        "disagree"))
+  p.add_argument("--then", action="append", default=[],
+                 choices=("kill", "after-kill", "disagree"))
   p.add_argument("--cases", default="")
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--ckpt", default=None)
   p.add_argument("--save-at", type=int, default=None)
   p.add_argument("--resume", action="store_true")
   p.add_argument("--kill-process", type=int, default=1)
-  p.add_argument("--explicit", action="store_true")  # Explicit axis
   return p.parse_args(argv)
 
 
@@ -113,9 +115,9 @@ def simulated_processes() -> int:
       os.environ.get("DISTRIBUTED_CHECK_AS_PROCESSES", "1"))
 
 
-def make_mesh():
-  explicit = (jax.sharding.AxisType.Explicit,) if ARGS.explicit else None
-  mesh = Mesh(np.array(jax.devices()), ("data",), axis_types=explicit)
+def make_mesh(explicit=False):
+  types = (jax.sharding.AxisType.Explicit,) if explicit else None
+  mesh = Mesh(np.array(jax.devices()), ("data",), axis_types=types)
   owners = [d.process_index for d in mesh.devices.flat]
   # The batch rows of process p are a contiguous block: the reference run
   # puts its fault into the same global rows.
@@ -148,10 +150,10 @@ def fsdp_spec(shape) -> P:
   return P()
 
 
-def shardings(mesh, tree, layout):
+def shardings(mesh, tree, layout, explicit=False):
   def one(x):
     # Explicit: a bias split like the batch cannot be added to it.
-    split = layout == "fsdp" and (np.ndim(x) > 1 or not ARGS.explicit)
+    split = layout == "fsdp" and (np.ndim(x) > 1 or not explicit)
     spec = fsdp_spec(np.shape(x)) if split else P()
     return NamedSharding(mesh, spec)
   return jax.tree.map(one, tree)
@@ -177,7 +179,7 @@ def gather(tree):
 
 
 def build(case):
-  model_name, layout, precision = case.split("-")
+  model_name, layout, precision = case.split("-")[:3]
   rngs = nnx.Rngs(0)
   if model_name == "mlp":
     model = models.MLP(MLP_IN, MLP_OUT, num_layers=3, width=32, rngs=rngs)
@@ -262,15 +264,17 @@ def fp8_histories(graphdef, state):
           for name, h in jmp_amp.flax.fp8.histories(model).items()}
 
 
-def run_case(case, mesh):
+def run_case(case):
   from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
   model_name, layout, precision, model, opt = build(case)
+  explicit = case.endswith("-explicit")
+  mesh = make_mesh(explicit)
   graphdef, state = nnx.split(model)
-  state_sh = shardings(mesh, state, layout)
+  state_sh = shardings(mesh, state, layout, explicit)
   # The optimizer sees the params only (FP8 histories are written back).
   opt_init = lambda s: opt.init(nnx.filter_state(s, nnx.Param))
   opt_shape = jax.eval_shape(opt_init, state)
-  opt_sh = shardings(mesh, opt_shape, layout)
+  opt_sh = shardings(mesh, opt_shape, layout, explicit)
   batch_size = PER_DEVICE_BATCH * jax.device_count()
   xs, ys, ws, fault_row = batches(model_name, ARGS.steps, batch_size)
   step = jax.jit(make_step(model_name, precision, graphdef, opt),
@@ -498,13 +502,13 @@ def main():
   os.makedirs(ARGS.out, exist_ok=True)
   mesh = make_mesh()
   for case in filter(None, ARGS.cases.split(",")):
-    run_case(case, mesh)
-  if ARGS.then == "after-kill":
-    after_kill_scenario(mesh)
-  elif ARGS.then == "disagree":
-    disagree_scenario(mesh)
-  elif ARGS.then == "kill":
-    kill_scenario(mesh)  # does not return in process --kill-process
+    run_case(case)
+  scenarios = {"after-kill": after_kill_scenario,
+               "disagree": disagree_scenario,
+               # Does not return in process --kill-process.
+               "kill": kill_scenario}
+  for then in ARGS.then:
+    scenarios[then](mesh)
   if ARGS.num_processes > 1:
     jax.distributed.shutdown()
   return 0

@@ -33,11 +33,13 @@ import re
 import sys
 import tempfile
 
+import simulated_devices
+
 NUM_DEVICES = 8
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={NUM_DEVICES}")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every program at backend level 0 (the one-device references, the FP8
+# runs and the checkpoints' copies too, not only the jits given
+# FAST_COMPILE): each run and its reference compile alike.
+simulated_devices.simulate(NUM_DEVICES)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax

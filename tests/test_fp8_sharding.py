@@ -55,8 +55,13 @@ def test_float8_autocast_of_jnp_einsum_honours_out_sharding(results):
   assert results["kv_autocast_loss_rel_diff"] <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["dp8", "fsdp_tp2x4", "1x1"])
-@pytest.mark.parametrize("recipe", RECIPES)
+# FSDP x tensor parallel for every recipe; data parallel and the 1x1 mesh
+# (fp8_sharding_check.MLP_LAYOUTS) once each.
+MLP_RUNS = [(recipe, "fsdp_tp2x4") for recipe in RECIPES] + [
+    ("delayed", "dp8"), ("current", "1x1")]
+
+
+@pytest.mark.parametrize(("recipe", "layout"), MLP_RUNS)
 def test_mlp_trains_as_on_one_device(results, recipe, layout):
   key = f"mlp_{recipe}_{layout}"
   assert results[f"{key}_max_diff"] <= PARAM_TOLERANCE
