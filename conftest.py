@@ -29,22 +29,27 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, (
       os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0")))
 
-# One persistent compilation cache for the run, shared by the xdist workers
-# and the subprocesses the tests start (they inherit the environment): a
-# program that several tests compile (the same model, step and shapes)
-# compiles once; the fast suite's CPU time fell by about 10 %. The cache is
-# a fresh directory each run, removed at its end, so no run reads another
-# run's programs; the benchmark tools turn it off for their own timed
-# compiles. A size limit turns on the cache's file lock, so that no process
-# reads an entry another is still writing. A JAX_COMPILATION_CACHE_DIR
-# already set is left as it is.
+# A persistent compilation cache for the run: a program that several tests
+# compile (the same model, step and shapes) compiles once; the fast suite's
+# CPU time fell by about 10 %. A fresh directory each run, removed at its
+# end, so that no run reads another run's programs; the benchmark tools turn
+# it off for their own timed compiles. Each xdist worker has a directory of
+# its own, which the subprocesses its tests start inherit: JAX writes an
+# entry in place, and a process must not read one another is still writing
+# (JAX's file lock, which a size limit turns on, scans the whole directory
+# at every write). A JAX_COMPILATION_CACHE_DIR already set is left as it is.
 _XLA_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _XLA_CACHE = tempfile.mkdtemp(prefix="jmp-amp-tests-xla-")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE,
-                    JAX_COMPILATION_CACHE_MAX_SIZE=str(2 * 2**30),
+                    JMP_AMP_TESTS_XLA_CACHE=_XLA_CACHE,
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+elif (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(
+    "JMP_AMP_TESTS_XLA_CACHE") == os.environ["JAX_COMPILATION_CACHE_DIR"]):
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+      os.environ["JAX_COMPILATION_CACHE_DIR"],
+      os.environ["PYTEST_XDIST_WORKER"])
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
