@@ -59,11 +59,17 @@ import pytest
 
 import jmp_amp
 
-# Helpers whose import has side effects (sharded_check sets XLA_FLAGS for a
-# subprocess) are not doctest-collected; the scripts that record reference
-# data import torch/keras and run only as scripts.
-collect_ignore = ["tests/sharded_check.py", "tests/distributed_check.py",
-                  "tests/data"]
+# The scripts the tests run in subprocesses are not doctest-collected: their
+# import has side effects. A check script asks for 8 simulated devices in
+# XLA_FLAGS at import, and collected before JAX started its backend it gave
+# the collecting process, and every test after, 8 CPU devices. The scripts
+# that record reference data import torch/keras and run only as scripts.
+collect_ignore = ["tests/data", "tests/fixtures/make_gpu_fixtures.py",
+                  "tests/execute_notebooks.py", "tests/distributed_check.py",
+                  "tests/explicit_sharding_check.py",
+                  "tests/fp8_sharding_check.py", "tests/llama_mesh_check.py",
+                  "tests/low_precision_sharded_check.py",
+                  "tests/sharded_check.py"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -192,3 +192,12 @@ def test_no_module_is_over_500_lines():
   assert len([p for p in sizes if p.startswith("jmp_amp/tools/")]) >= 10
   over = {p: n for p, n in sizes.items() if n > 500}
   assert not over, over
+
+
+def test_collecting_the_suite_left_xla_flags_as_conftest_set_them():
+  # The check scripts the tests run in subprocesses add 8 simulated devices
+  # to XLA_FLAGS at import; collected (--doctest-modules) before JAX started
+  # its backend, they gave this process, and every test in it, 8 devices.
+  # conftest.py names the backend level once (or leaves the caller's).
+  flags = os.environ.get("XLA_FLAGS", "")
+  assert flags.count("--xla_backend_optimization_level") <= 1, flags
