@@ -122,18 +122,17 @@ def memory_fit(name: str, step: Any, state: Any, batch: Any,
   used = {}
 
   def fits(batch_size):
-    if compiled is not None and batch_size == batch[0].shape[0]:
-      used[batch_size] = memory_of(compiled)
-      return used[batch_size] is not None and used[batch_size] <= limit
-    shape = jax.ShapeDtypeStruct((batch_size,) + batch[0].shape[1:],
-                                 batch[0].dtype)
-    try:
-      program = step.lower(state, (shape, shape)).compile(
-          compiler_options=options or None)
-    except Exception as e:  # pylint: disable=broad-except
-      if "RESOURCE_EXHAUSTED" in str(e):
-        return False
-      raise
+    program = compiled if batch_size == batch[0].shape[0] else None
+    if program is None:
+      shape = jax.ShapeDtypeStruct((batch_size,) + batch[0].shape[1:],
+                                   batch[0].dtype)
+      try:
+        program = step.lower(state, (shape, shape)).compile(
+            compiler_options=options or None)
+      except Exception as e:  # pylint: disable=broad-except
+        if "RESOURCE_EXHAUSTED" in str(e):
+          return False
+        raise
     used[batch_size] = memory_of(program)
     return used[batch_size] is not None and used[batch_size] <= limit
 
