@@ -63,7 +63,7 @@ SMALL = {
     "mlp": dict(width=64, layers=3, batch_size=16),
     "gpt": dict(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
                 max_len=64, batch_size=2),  # gpt_bench's "cpu" size
-    "llama": dict(size="cpu", preset="small", batch_size=2, max_batch=8),
+    "llama": dict(size="cpu", preset="small", batch_size=2, max_batch=4),
 }
 # Named as the bench's modes (`jmp-amp bench --policy`): the policy, then
 # what is added to it.
