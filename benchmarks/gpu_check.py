@@ -30,14 +30,16 @@ Three workloads, as users run them, compiled with XLA's default options:
   (and torchao) are installed.
 
 Each workload runs in a process of its own (a hung compile loses that
-workload only): every mode is compiled (the seconds it took are recorded),
-then timed in interleaved repeats of ``--steps`` steps, one device sync per
-repeat. Per mode the JSON records the median ms/step over the repeats and
-their spread, the compile seconds, the memory of the compiled program
-(arguments, outputs, temporaries; the device's peak counter only grows, so
-it is recorded once per workload), the final loss and the GEMM dtypes of the
-program the device compiled, with `fp8_check`'s verdict for FP8 modes. The
-summary gives the ratios the issues set targets for.
+workload only; with ``--small``, a workload's modes, llama's and
+``SLOW_COMPILE``'s too, share one process): every mode is compiled (the
+seconds it took are recorded), then timed in interleaved repeats of
+``--steps`` steps, one device sync per repeat. Per mode the JSON records
+the median ms/step over the repeats and their spread, the compile seconds,
+the memory of the compiled program (arguments, outputs, temporaries; the
+device's peak counter only grows, so it is recorded once per workload), the
+final loss and the GEMM dtypes of the program the device compiled, with
+`fp8_check`'s verdict for FP8 modes. The summary gives the ratios the issues
+set targets for.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ SMALL = {
     "mlp": dict(width=64, layers=3, batch_size=16),
     "gpt": dict(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
                 max_len=64, batch_size=2),  # gpt_bench's "cpu" size
-    "llama": dict(size="cpu", preset="small", batch_size=2, max_batch=8),
+    "llama": dict(size="cpu", preset="small", batch_size=2, max_batch=4),
 }
 # Named as the bench's modes (`jmp-amp bench --policy`): the policy, then
 # what is added to it.
@@ -417,11 +419,21 @@ def device_name():
                                             d.platform).lower()).strip("-")
 
 
-def groups(workloads, names=None, isolate=False):
+def groups(workloads, names=None, isolate=False, small=False):
   """(workload, modes) per worker process, in the order they run: the modes
   the issues measure first, a mode whose compile may take minutes
   (``SLOW_COMPILE``) in a process of its own after them; with `isolate`,
-  every mode in a process of its own."""
+  every mode in a process of its own.
+
+  With `small` (the tiny sizes, on a CPU) and without `isolate`, one process
+  per workload, its ``SLOW_COMPILE`` modes last: the separate processes are
+  for a device's memory and a compile that may hang, and each costs a JAX
+  start and the model's first build.
+  """
+  if small and not isolate:
+    slow_last = lambda w: sorted(modes_for(w, names),
+                                 key=lambda m: (w, m) in SLOW_COMPILE)
+    return [(w, slow_last(w)) for w in workloads if modes_for(w, names)]
   out = []
   for model_name in workloads:
     modes = modes_for(model_name, names)
@@ -489,7 +501,8 @@ def _rows(records):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true",
-                      help="tiny sizes, for a CPU (the tests)")
+                      help="tiny sizes, for a CPU (the tests); one process "
+                      "per workload")
   parser.add_argument("--workloads", nargs="+", choices=list(SIZES),
                       # llama (1.1B, a process per mode) on request only.
                       default=[w for w in SIZES if w != "llama"])
@@ -560,7 +573,7 @@ def main(argv=None):
       pass
     if os.path.exists(lines_path + ".warm"):
       os.remove(lines_path + ".warm")
-  plan = groups(args.workloads, args.modes, args.isolate)
+  plan = groups(args.workloads, args.modes, args.isolate, args.small)
   if not args.no_torch:
     plan.append(("torch", list(args.workloads)))
 
@@ -569,8 +582,11 @@ def main(argv=None):
       f.write(json.dumps(record) + "\n")
 
   for model_name, names in plan:
-    timeout = (args.slow_timeout if len(names) == 1 and (
-        model_name, names[0]) in SLOW_COMPILE else args.timeout)
+    # A SLOW_COMPILE mode's seconds come on top (--small runs it with the
+    # workload's other modes).
+    slow = sum((model_name, n) in SLOW_COMPILE for n in names)
+    timeout = (args.timeout if slow < len(names) else 0) + (
+        slow * args.slow_timeout)
     if model_name == "llama":  # 1.1B: compiles and a batch search
       timeout = max(timeout, args.llama_timeout)
     if args.budget is not None:

@@ -404,30 +404,36 @@ def test_failing_mode_is_reported_in_full_and_others_still_run(
 @pytest.mark.bench
 def test_isolated_modes_match_in_process_and_keep_their_own_memory(
     tmp_path, tiny_runs):
-  flags = [*TINY, "--policy", "mixed_float16", "--policy", "float32",
-           "--repeats", "1"]
-  isolated, in_process = tmp_path / "i", tmp_path / "p"
-  assert cli.main([*flags, "--isolate", "yes", "--json", str(isolated)]) == 0
-  assert cli.main([*flags, "--isolate", "no", "--json", str(in_process)]) == 0
-  iso, inp = _read(isolated), _read(in_process)
-  # float32 alone: the default run's first mode, nothing ran before it.
-  one = [r for r in tiny_runs[1] if r["mode"] == "float32"]
-  assert tiny_runs[1][0] is one[0]
+  # In process: the default run (tiny_runs), float32 first, mixed_float16
+  # after it and others; its 2 repeats train the steps 1 repeat does (the
+  # test below).
+  isolated = tmp_path / "i"
+  assert cli.main([*TINY, "--policy", "mixed_float16", "--policy", "float32",
+                   "--repeats", "1", "--isolate", "yes", "--json",
+                   str(isolated)]) == 0
+  iso = _read(isolated)
+  inp = {r["mode"]: r for r in tiny_runs[1]}
   assert [r["isolated"] for r in iso] == [True, True]
-  assert [r["final_loss"] for r in iso] == [r["final_loss"] for r in inp]
-  # float32's peak after mixed_float16 ran is float32's own: none inherited.
-  assert iso[1]["peak_memory_bytes"] == one[0]["peak_memory_bytes"]
-  assert inp[1]["peak_memory_bytes"] == one[0]["peak_memory_bytes"]
+  assert inp["float32"]["isolated"] is False
+  assert [r["final_loss"] for r in iso] == [
+      inp[m]["final_loss"] for m in ("mixed_float16", "float32")]
+  # float32's peak after mixed_float16 ran is float32's own, as in process
+  # mixed_float16's after float32's: none inherited.
+  assert tiny_runs[1][0] is inp["float32"]
+  assert iso[1]["peak_memory_bytes"] == inp["float32"]["peak_memory_bytes"]
+  assert iso[0]["peak_memory_bytes"] == (
+      inp["mixed_float16"]["peak_memory_bytes"])
   assert iso[0]["peak_memory_bytes"] != iso[1]["peak_memory_bytes"]
 
 
 @pytest.mark.bench
-def test_repeats_train_the_same_steps_each_time(tmp_path):
-  one, three = tmp_path / "1", tmp_path / "3"
-  flags = [*TINY, "--policy", "mixed_float16"]
-  assert cli.main([*flags, "--repeats", "1", "--json", str(one)]) == 0
-  assert cli.main([*flags, "--repeats", "3", "--json", str(three)]) == 0
-  a, b = _read(one)[0], _read(three)[0]
+def test_repeats_train_the_same_steps_each_time(tmp_path, tiny_runs):
+  three = tmp_path / "3"
+  assert cli.main([*TINY, "--policy", "mixed_float16", "--repeats", "3",
+                   "--json", str(three)]) == 0
+  # The default run's mixed_float16: 2 repeats, after other modes.
+  a = next(r for r in tiny_runs[1] if r["mode"] == "mixed_float16")
+  b = _read(three)[0]
   assert a["final_loss"] == b["final_loss"]
   assert a["loss_scale"] == b["loss_scale"]
   assert len(b["repeat_median_step_s"]) == 3

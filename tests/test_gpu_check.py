@@ -24,7 +24,8 @@ def _run(tmp_path, *argv):
 @pytest.fixture(scope="module")
 def every_mode(tmp_path_factory):
   """One --small run of every mode of the default workloads (mlp, gpt), the
-  torch rows where torch is installed: a process per workload, as on a GPU.
+  torch rows where torch is installed: a process per workload (on a GPU,
+  gpt's SLOW_COMPILE mode gets one of its own).
   """
   return _run(tmp_path_factory.mktemp("every_mode"))
 
@@ -97,6 +98,14 @@ def test_processes_run_slow_compiles_last_and_isolate_every_mode():
                       isolate=True)
   assert plan == [("gpt", ["float8"]), ("gpt", ["mixed_bfloat16"]),
                   ("gpt", ["float8-rowwise"])]
+  # --small (a CPU): a process per workload, the slow compile last in it.
+  assert check.groups(["mlp", "gpt"], ["float8-rowwise", "mixed_bfloat16"],
+                      small=True) == [
+                          ("mlp", ["float8-rowwise", "mixed_bfloat16"]),
+                          ("gpt", ["mixed_bfloat16", "float8-rowwise"])]
+  assert check.groups(["gpt"], ["float8", "float8-rowwise"], isolate=True,
+                      small=True) == [("gpt", ["float8"]),
+                                      ("gpt", ["float8-rowwise"])]
 
 
 # --------------------------------------------------------------------------
@@ -112,6 +121,9 @@ def test_llama_runs_its_modes_each_in_a_process_of_its_own():
                                          "mixed_float16"])
   assert plan == [("gpt", ["mixed_bfloat16", "float8", "mixed_float16"]),
                   ("llama", ["mixed_bfloat16"]), ("llama", ["float8"])]
+  # --small: llama's tiny modes share one process.
+  assert check.groups(["llama"], ["float8", "mixed_bfloat16"],
+                      small=True) == [("llama", ["float8", "mixed_bfloat16"])]
 
 
 def test_llama_flops_and_largest_batch():
@@ -152,8 +164,10 @@ def test_llama_summary_gives_the_issues_ratios():
   assert got["llama float8-rowwise speed vs torchao-float8-rowwise"] is None
 
 
-# Every llama mode runs once, each in a process of its own (~20 s a mode on
-# a CPU); the largest-batch search (two more compiles) in one mode only.
+# Every llama mode runs once; --small puts a run's modes in one process.
+# The largest-batch search (one more compile: --small caps the batch at 4)
+# in one mode only: it runs alone, with --memory-limit, and the other five
+# modes in a second process.
 LIMIT = 10 * 2**20  # the bytes a step may take in the search
 SEARCHED = "mixed_bfloat16-state16"  # its point: a larger batch
 
@@ -181,11 +195,12 @@ def test_small_llama_modes_are_timed_and_their_largest_batch_found(
   for row in rows.values():
     assert row["ms_per_step"] > 0 and row["compile_s"] > 0, row
     assert row["model_tflops"] > 0 and row["memory_bytes"] > 0, row
-  # Batches 2 (the timed step's compile), 4 and 8 (the cap); memory grows
-  # with the batch.
+  # Batches 2 (the timed step's compile) and 4 (the cap: 4 fits, 8 is not
+  # tried); memory grows with the batch.
   row = rows[SEARCHED]
   used = row["memory_bytes_by_batch"]
-  assert sorted(used, key=int) == ["2", "4", "8"], row
+  assert sorted(used, key=int) == ["2", "4"], row
+  assert row["largest_batch_cap"] == 4 and used["4"] <= LIMIT, row
   assert used["2"] == row["memory_bytes"] and used["2"] < used["4"], row
   assert row["largest_batch"] == max(
       int(b) for b, n in used.items() if n <= LIMIT), row
