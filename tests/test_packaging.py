@@ -201,3 +201,15 @@ def test_collecting_the_suite_left_xla_flags_as_conftest_set_them():
   # conftest.py names the backend level once (or leaves the caller's).
   flags = os.environ.get("XLA_FLAGS", "")
   assert flags.count("--xla_backend_optimization_level") <= 1, flags
+
+
+def test_the_slow_steps_longest_first_files_exist():
+  # conftest.py orders the slow step's files by LONGEST_FIRST; a name that
+  # no longer matches a file would silently fall to the end of the run.
+  tree = ast.parse((ROOT / "conftest.py").read_text())
+  names, = [ast.literal_eval(node.value) for node in tree.body
+            if isinstance(node, ast.Assign)
+            and ast.unparse(node.targets[0]) == "LONGEST_FIRST"]
+  assert names
+  missing = [name for name in names if not (ROOT / "tests" / name).is_file()]
+  assert not missing, missing
