@@ -19,12 +19,15 @@ compute, `NoOpLossScale`: no scaling, non-finite steps still skipped). The
 case ``mlp-fsdp-fp8`` trains an MLP whose matmuls run in FP8 under delayed
 scaling and records its amax histories. A case ending in ``-explicit``
 (``mlp-dp-fp16-explicit``) runs on the same mesh with its axis `Explicit`,
-under `jax.set_mesh`.
+under `jax.set_mesh`. A case ending in ``@N`` (``mlp-dp-fp16@2``) runs on
+the first N devices only: the reference run, holding 4 devices, of a launch
+on 2. One reference run thus serves launches of several shapes.
 
 Faults: on steps `FAULT_STEPS` the last process puts a NaN in the per-example
 weight of the first example it holds (its own shard of the global batch, built
 with `jax.make_array_from_process_local_data`); the reference run puts it in
-the same global row.
+the same global row: that of the last of DISTRIBUTED_CHECK_AS_PROCESSES
+processes, or of a case ending in ``%P`` (``mlp-fsdp-fp16%4``), of P.
 
 Checkpoints (``--ckpt DIR``): ``--save-at K`` saves the state after K steps
 with `jmp_amp.checkpoint.save` from every process; ``--resume`` starts from
@@ -109,15 +112,26 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # Global arrays.
 
 
-def simulated_processes() -> int:
+def parse_case(case):
+  """(case without its suffixes, devices or None, processes or None)."""
+  base, _, procs = case.partition("%")
+  base, _, devices = base.partition("@")
+  return base, int(devices) if devices else None, int(procs) if procs else None
+
+
+def simulated_processes(case) -> int:
   """How many processes the run has, or stands for (the reference run)."""
-  return ARGS.num_processes if ARGS.num_processes > 1 else int(
-      os.environ.get("DISTRIBUTED_CHECK_AS_PROCESSES", "1"))
+  procs = parse_case(case)[2]
+  if ARGS.num_processes > 1:
+    assert procs in (None, ARGS.num_processes), case
+    return ARGS.num_processes
+  return procs or int(os.environ.get("DISTRIBUTED_CHECK_AS_PROCESSES", "1"))
 
 
-def make_mesh(explicit=False):
+def make_mesh(explicit=False, num_devices=None):
   types = (jax.sharding.AxisType.Explicit,) if explicit else None
-  mesh = Mesh(np.array(jax.devices()), ("data",), axis_types=types)
+  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",),
+              axis_types=types)
   owners = [d.process_index for d in mesh.devices.flat]
   # The batch rows of process p are a contiguous block: the reference run
   # puts its fault into the same global rows.
@@ -142,8 +156,7 @@ def global_value(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
 
-def fsdp_spec(shape) -> P:
-  n = jax.device_count()
+def fsdp_spec(shape, n) -> P:
   for dim, size in enumerate(shape):
     if size % n == 0:
       return P(*([None] * dim), "data")
@@ -154,7 +167,7 @@ def shardings(mesh, tree, layout, explicit=False):
   def one(x):
     # Explicit: a bias split like the batch cannot be added to it.
     split = layout == "fsdp" and (np.ndim(x) > 1 or not explicit)
-    spec = fsdp_spec(np.shape(x)) if split else P()
+    spec = fsdp_spec(np.shape(x), mesh.size) if split else P()
     return NamedSharding(mesh, spec)
   return jax.tree.map(one, tree)
 
@@ -179,7 +192,7 @@ def gather(tree):
 
 
 def build(case):
-  model_name, layout, precision = case.split("-")[:3]
+  model_name, layout, precision = parse_case(case)[0].split("-")[:3]
   rngs = nnx.Rngs(0)
   if model_name == "mlp":
     model = models.MLP(MLP_IN, MLP_OUT, num_layers=3, width=32, rngs=rngs)
@@ -201,12 +214,11 @@ def build(case):
   return model_name, layout, precision, model, opt
 
 
-def batches(model_name, num_steps, batch_size):
+def batches(model_name, num_steps, batch_size, processes):
   """The global batches of every step, the same in every process."""
   rng = np.random.default_rng(1)
   weights = np.ones((num_steps, batch_size), np.float32)
-  fault_row = (simulated_processes() - 1) * (
-      batch_size // simulated_processes())
+  fault_row = (processes - 1) * (batch_size // processes)
   for s in FAULT_STEPS:
     if s < num_steps:
       weights[s, fault_row] = np.nan
@@ -267,16 +279,19 @@ def fp8_histories(graphdef, state):
 def run_case(case):
   from jmp_amp import checkpoint  # pylint: disable=import-outside-toplevel
   model_name, layout, precision, model, opt = build(case)
-  explicit = case.endswith("-explicit")
-  mesh = make_mesh(explicit)
+  base, num_devices, _ = parse_case(case)
+  explicit = base.endswith("-explicit")
+  mesh = make_mesh(explicit, num_devices)
   graphdef, state = nnx.split(model)
   state_sh = shardings(mesh, state, layout, explicit)
   # The optimizer sees the params only (FP8 histories are written back).
   opt_init = lambda s: opt.init(nnx.filter_state(s, nnx.Param))
   opt_shape = jax.eval_shape(opt_init, state)
   opt_sh = shardings(mesh, opt_shape, layout, explicit)
-  batch_size = PER_DEVICE_BATCH * jax.device_count()
-  xs, ys, ws, fault_row = batches(model_name, ARGS.steps, batch_size)
+  batch_size = PER_DEVICE_BATCH * mesh.size
+  processes = simulated_processes(case)
+  xs, ys, ws, fault_row = batches(model_name, ARGS.steps, batch_size,
+                                  processes)
   step = jax.jit(make_step(model_name, precision, graphdef, opt),
                  out_shardings=(state_sh, opt_sh, None),
                  compiler_options=FAST_COMPILE)
@@ -301,7 +316,7 @@ def run_case(case):
       s.index[0].start <= fault_row < s.index[0].stop
       for s in global_batch(mesh, xs[0]).addressable_shards]
   record = {"process": jax.process_index(), "processes": jax.process_count(),
-            "devices": jax.device_count(), "fault_row": fault_row,
+            "devices": mesh.size, "fault_row": fault_row,
             "fault_rows_here": any(fault_on_me), "first_step": first,
             "steps": []}
   for i in range(first, ARGS.steps):
@@ -323,11 +338,11 @@ def run_case(case):
         not h.lhs.sharding.is_fully_replicated for h in
         jmp_amp.flax.fp8.histories(nnx.merge(graphdef, state)).values()]
     record["fp8_global_input_amax"] = float(np.max(np.abs(xs[ARGS.steps - 1])))
-    pid_rows = batch_size // simulated_processes()
+    pid_rows = batch_size // processes
     record["fp8_process_input_amax"] = [
         float(np.max(np.abs(xs[ARGS.steps - 1][p * pid_rows:
                                                 (p + 1) * pid_rows])))
-        for p in range(simulated_processes())]
+        for p in range(processes)]
   arrays = gather(state) + gather(opt_state)
   write(case, record, arrays)
 

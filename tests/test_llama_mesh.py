@@ -13,7 +13,8 @@ The model's own ``self.embed(tokens)`` gives its gather no ``out_sharding``,
 which Explicit axes ask for batch-split ids: the user's code swaps in an
 `nnx.Embed` subclass that says the rows keep the batch's sharding (the
 check's ``RowsEmbed``; models/llama.py is unchanged). With it, every layout
-tried runs, the blocks' kernels split fsdp x tensor included.
+tried traces its forward and backward pass (where Explicit axes refuse a
+sharding), and the blocks' kernels split fsdp x tensor train.
 """
 
 import os
