@@ -90,27 +90,25 @@ def _kernel(spec_in, spec_out):
   return spec
 
 
-# Layouts: param path, ndim -> spec. "tensor" splits the head's vocabulary
-# columns and the embedding's features; the blocks' kernels are fsdp (their
-# input dimension) or fsdp x tensor, or Megatron's column/row split.
+# Layouts: param path, ndim -> spec. "replicated"; "fsdp_x_tensor": the
+# blocks' kernels fsdp (their input dimension) x tensor, the head's
+# vocabulary columns and the embedding's features over "tensor";
+# "megatron": the blocks' column/row split, the head's vocabulary over
+# "tensor".
 def layout_spec(layout: str, path: str, ndim: int) -> P:
+  assert layout in ("replicated", "fsdp_x_tensor", "megatron"), layout
   kernel = path.endswith("kernel")
   if layout == "replicated" or not kernel and "embedding" not in path:
     return P()
   if path.startswith("head"):
-    return {"fsdp+vocab": P(None, "tensor"), "megatron": P(None, "tensor"),
-            "fsdp+embed": P(), "fsdp": P("fsdp", None)}.get(
-                layout, P("fsdp", "tensor"))
+    return P(None, "tensor") if layout == "megatron" else P("fsdp", "tensor")
   if path.startswith("embed"):
-    return (P(None, "tensor") if layout in ("fsdp+embed", "fsdp_x_tensor")
-            else P())
-  if layout == "fsdp_x_tensor":
-    return _kernel("fsdp", "tensor")(path, ndim)
+    return P(None, "tensor") if layout == "fsdp_x_tensor" else P()
   if layout == "megatron":
     rows = path.split("/")[-2] in ("o", "down")
     return _kernel(*(("tensor", None) if rows else (None, "tensor")))(
         path, ndim)
-  return _kernel("fsdp", None)(path, ndim)
+  return _kernel("fsdp", "tensor")(path, ndim)
 
 
 # The features train on the most sharded, fsdp_x_tensor (a case that cannot
