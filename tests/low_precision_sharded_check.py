@@ -9,11 +9,10 @@ keys) are bitwise equal.
 """
 
 import json
-import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import simulated_devices
+
+simulated_devices.simulate(8)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax

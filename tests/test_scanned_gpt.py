@@ -151,8 +151,13 @@ STATE16 = jmp_amp.flax.mixed_rules("bfloat16", param="bfloat16",
 # first step): two train-step compiles, the unscanned and the scanned.
 @pytest.mark.slow  # two train-step compiles: ~20-60 s each
 @pytest.mark.parametrize("policy,rtol,stats_rtol,stats_atol", [
-    # float32: the same computation; only XLA's reassociation differs.
-    ("float32", 1e-5, 1e-5, 1e-6),
+    # float32: the same computation; only XLA's reassociation differs. The
+    # keys' bias has an analytically zero gradient (softmax is invariant to
+    # a shift of a row's logits): its 32 elements of a qkv's 3168 are
+    # rounding noise (|g| <= 1e-5, against 56 for the values' bias), and
+    # the order of summation decides which of them land on exactly 0 (one,
+    # in the scanned model, with XLA:CPU's elemental emitters).
+    ("float32", 1e-5, 1e-5, 32 / 3168),
     # bfloat16 params, Adam's moments in bfloat16 and bfloat16 compute: the
     # scanned body is fused and rounded in another order (2**-8 relative),
     # and the stochastic roundings of a stacked leaf draw other bits than
